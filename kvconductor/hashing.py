@@ -1,0 +1,89 @@
+"""Block hashing (contract section 1).
+
+Local hash: `xxh3_64(token ids as little-endian u32, seed)`, seed 1337 for
+the base model and `1337 + xxh3_64(lora_name, 0)` (wrapping) for an adapter:
+the scheme of Dynamo's router and Mooncake RFC #1527.
+
+Identity: a block is identified by its chain of blocks from the first one.
+The index names that chain with one u64, `identity_i = xxh3_64(block_i
+bytes, seed=identity_{i-1})`, starting from the namespace's seed. The first
+block's identity is therefore exactly its contract local hash, and every
+later identity is a fingerprint of (parent identity, block content) — the
+contract's `(parent identity, local hash)` pair, computed with one hash per
+block instead of two. Flat dicts keyed by identity then act as a radix tree
+whose edges are implicit: a hit on identity i implies the whole chain 0..i.
+
+Extra keys (multimodal hashes, per-request cache salt) arrive per block as a
+u64 fingerprint and are xor-ed into that block's seed, so the same tokens
+with different extra keys get different identities: they never match a
+plain token query, and `/query_by_hash` still finds them by engine hash.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+MASK64 = (1 << 64) - 1
+BASE_SEED = 1337
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_BIG_ENDIAN = sys.byteorder == "big"
+if array("I").itemsize != 4:  # pragma: no cover
+    raise ImportError("kvconductor needs a platform whose C unsigned int is 32 bits")
+
+
+def lora_seed(lora_name: str | None) -> int:
+    """The chain's root seed for a namespace's LoRA adapter (None: base)."""
+    if lora_name is None:
+        return BASE_SEED
+    return (BASE_SEED + _xxh3(lora_name.encode("utf-8"), 0)) & MASK64
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32; ValueError/OverflowError outside u32."""
+    packed = array("I", token_ids)
+    if _BIG_ENDIAN:  # pragma: no cover - every supported platform is little-endian
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def local_block_hash(tokens: Sequence[int], seed: int = BASE_SEED) -> int:
+    """The contract's local hash of one full block of tokens."""
+    return _xxh3(pack_tokens(tokens), seed)
+
+
+def chain_identities(
+    token_bytes: bytes,
+    n_blocks: int,
+    block_size: int,
+    parent: int,
+    extra: Sequence[int | None] | None = None,
+) -> list[int]:
+    """Identities of the first `n_blocks` full blocks of `token_bytes`.
+
+    `parent` is the identity the first block hangs from (the namespace seed
+    at the root)."""
+    step = block_size * 4
+    out: list[int] = []
+    append = out.append
+    ident = parent
+    if extra is None:
+        for start in range(0, n_blocks * step, step):
+            ident = _xxh3(token_bytes[start : start + step], ident)
+            append(ident)
+        return out
+    for i in range(n_blocks):
+        key = extra[i] if i < len(extra) else None
+        seed = ident if key is None else ident ^ key
+        ident = _xxh3(token_bytes[i * step : (i + 1) * step], seed)
+        append(ident)
+    return out
+
+
+def block_identity(block_bytes: bytes, parent: int, extra: int | None) -> int:
+    """One step of `chain_identities`, for chains resolved late."""
+    return _xxh3(block_bytes, parent if extra is None else parent ^ extra)

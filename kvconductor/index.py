@@ -1,0 +1,325 @@
+"""The whole index: namespaces, instances, and how decoded batches apply.
+
+Pure and synchronous. `apply_engine` and `apply_pool` take a decoded batch
+plus its record metadata; everything they skip is counted in `counters`.
+Validation that can reject a record happens before anything is applied, so
+a record is applied whole or not at all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+
+from kvconductor.errors import RejectedEvent
+from kvconductor.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineBatch,
+    PoolBatch,
+    PoolEvent,
+)
+from kvconductor.media import DEVICE, TIER_NAMES, engine_tier, pool_medium_name, pool_tier
+from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
+from kvconductor.query import namespace_of, run_query
+from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
+from kvconductor.records import EngineMeta, PoolMeta
+
+# KV cache spec kinds whose blocks form a token prefix tree. Other groups of
+# a hybrid model (sliding window, Mamba state, ...) keep only recent or
+# summarised state, so their blocks say nothing about a prefix hit; their
+# events are counted and skipped.
+PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "full", "FullAttentionSpec"})
+
+
+class IndexLimits(msgspec.Struct, frozen=True):
+    """Bounds that hold whatever the input (per namespace where noted)."""
+
+    max_pending: int = 200_000  # pending halves per namespace
+    max_pending_age_s: float = 300.0
+    max_namespaces: int = 4096
+    max_instances: int = 100_000
+    max_blocks_per_owner: int = 4_000_000  # per (instance, dp rank, namespace)
+    # Content no tier holds any more, kept (per namespace, for the pending age)
+    # so that a late confirmation or token-less store still finds it.
+    max_retired_content: int = 200_000
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"index limit {name} must be positive, got {value}")
+
+
+class InstanceState:
+    """What the index remembers about one engine instance across namespaces."""
+
+    __slots__ = ("last_event_ts", "last_seq", "namespaces", "skip_groups")
+
+    def __init__(self) -> None:
+        self.namespaces: set[NamespaceKey] = set()
+        self.skip_groups: set[int] = set()
+        self.last_seq: dict[int, int] = {}
+        self.last_event_ts = 0.0
+
+
+class Index:
+    def __init__(self, limits: IndexLimits | None = None) -> None:
+        self.limits = limits or IndexLimits()
+        self.namespaces: dict[NamespaceKey, NamespaceIndex] = {}
+        self.instances: dict[str, InstanceState] = {}
+        self.counters: Counter[str] = Counter()
+        # (source, tier name) -> blocks applied
+        self.applied: Counter[tuple[str, str]] = Counter()
+        self.now = 0.0
+        self.dirty = Dirty()
+
+    # -------------------------------------------------------- namespaces
+
+    def _namespace(self, key: NamespaceKey) -> NamespaceIndex | None:
+        ns = self.namespaces.get(key)
+        if ns is None:
+            if len(self.namespaces) >= self.limits.max_namespaces:
+                self.counters["namespace_limit_dropped"] += 1
+                return None
+            lim = self.limits
+            ns = NamespaceIndex(
+                key,
+                lim.max_pending,
+                lim.max_pending_age_s,
+                lim.max_blocks_per_owner,
+                lim.max_retired_content,
+                self.counters,
+                self.dirty,
+            )
+            self.namespaces[key] = ns
+        ns.expire(self.now)
+        return ns
+
+    def _gc(self, ns: NamespaceIndex) -> None:
+        if ns.is_empty():
+            del self.namespaces[ns.key]
+
+    def _instance(self, instance: str) -> InstanceState | None:
+        state = self.instances.get(instance)
+        if state is None:
+            if len(self.instances) >= self.limits.max_instances:
+                self.counters["instance_limit_dropped"] += 1
+                return None
+            state = self.instances[instance] = InstanceState()
+        return state
+
+    def _tick(self, now: float) -> None:
+        if now > self.now:
+            self.now = now
+
+    def expire(self, now: float) -> None:
+        """Age out pending halves everywhere (the daemon calls this periodically)."""
+        self._tick(now)
+        for ns in list(self.namespaces.values()):
+            ns.expire(self.now)
+            self._gc(ns)
+
+    # ------------------------------------------------------------ engine
+
+    def check_seq(self, instance: str, rank: int, seq: int | None) -> int:
+        """Track `kv-seq` per (instance, rank); returns how many were skipped."""
+        if seq is None:
+            return 0
+        state = self.instances.get(instance)
+        if state is None:
+            return 0
+        last = state.last_seq.get(rank)
+        state.last_seq[rank] = seq
+        self.dirty.instances.add(instance)
+        if last is None or seq == last + 1:
+            return 0
+        if seq > last + 1:
+            self.counters["seq_gaps"] += 1
+            self.counters["seq_missing"] += seq - last - 1
+            return seq - last - 1
+        self.counters["seq_regressions"] += 1
+        return 0
+
+    def apply_engine(self, instance: str, meta: EngineMeta, batch: EngineBatch, now: float) -> int:
+        """Apply one engine record; returns the blocks it placed or removed."""
+        self._tick(now)
+        rank = batch.dp_rank if batch.dp_rank is not None else meta.dp_rank
+        if not 0 <= rank <= 1 << 16:
+            raise RejectedEvent(f"dp rank out of range: {rank}")
+        state = self._instance(instance)
+        if state is None:
+            return 0
+        state.last_event_ts = self.now
+        self.dirty.instances.add(instance)
+        done = 0
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                done += self._engine_stored(instance, state, rank, meta, ev)
+            elif isinstance(ev, BlockRemoved):
+                done += self._engine_removed(instance, state, rank, meta, ev)
+            elif isinstance(ev, AllBlocksCleared):
+                for key in list(state.namespaces):
+                    ns = self.namespaces.get(key)
+                    if ns is not None:
+                        done += ns.clear_owner(instance, rank)
+                        self._gc(ns)
+                self.counters["engine_clears"] += 1
+        return done
+
+    def _engine_stored(
+        self, instance: str, state: InstanceState, rank: int, meta: EngineMeta, ev: BlockStored
+    ) -> int:
+        counters = self.counters
+        if ev.spec_kind is not None and ev.spec_kind not in PREFIX_KINDS:
+            if ev.group_idx is not None:
+                state.skip_groups.add(ev.group_idx)
+            counters["non_prefix_group_skipped"] += len(ev.block_hashes)
+            return 0
+        if ev.block_size is not None and ev.block_size != meta.block_size:
+            counters["block_size_mismatch"] += len(ev.block_hashes)
+            return 0
+        if ev.lora_name is None and ev.lora_id is not None:
+            # Old releases name an adapter only by a run-local id: its blocks
+            # cannot be put in a namespace a router can ask for.
+            counters["unnamed_lora_skipped"] += len(ev.block_hashes)
+            return 0
+        tier = engine_tier(ev.medium)
+        if tier is None:
+            counters["unknown_medium"] += len(ev.block_hashes)
+            return 0
+        ns = self._namespace(
+            NamespaceKey(meta.tenant, meta.model, meta.block_size, ev.lora_name, meta.salt)
+        )
+        if ns is None:
+            return 0
+        state.namespaces.add(ns.key)
+        if meta.offload_pool and tier != DEVICE:
+            done = ns.offload_intent(
+                ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.extra_keys
+            )
+            self.applied[(meta.source, "intent")] += done
+        else:
+            done = ns.store_owner(
+                instance,
+                rank,
+                tier,
+                ev.block_hashes,
+                ev.parent_block_hash,
+                ev.token_ids,
+                ev.extra_keys,
+            )
+            self.applied[(meta.source, TIER_NAMES[tier])] += done
+        self._gc(ns)
+        return done
+
+    def _engine_removed(
+        self, instance: str, state: InstanceState, rank: int, meta: EngineMeta, ev: BlockRemoved
+    ) -> int:
+        if ev.group_idx is not None and ev.group_idx in state.skip_groups:
+            self.counters["non_prefix_group_skipped"] += len(ev.block_hashes)
+            return 0
+        tier = engine_tier(ev.medium)
+        if tier is None:
+            self.counters["unknown_medium"] += len(ev.block_hashes)
+            return 0
+        if meta.offload_pool and tier != DEVICE:
+            # The pool's own events say when a pooled block goes away.
+            self.counters["pool_mode_removal_ignored"] += len(ev.block_hashes)
+            return 0
+        missing: list[int] = ev.block_hashes
+        for key in list(state.namespaces):
+            ns = self.namespaces.get(key)
+            if ns is None:
+                continue
+            missing = ns.remove_owner(instance, rank, tier, missing)
+            self._gc(ns)
+            if not missing:
+                break
+        if missing:
+            self.counters["removal_unknown"] += len(missing)
+        return len(ev.block_hashes) - len(missing)
+
+    def remove_instance(self, instance: str) -> bool:
+        """Forget an instance entirely: all its tiers, pending halves, state."""
+        state = self.instances.pop(instance, None)
+        if state is None:
+            return False
+        self.dirty.instances.add(instance)
+        for key in state.namespaces:
+            ns = self.namespaces.get(key)
+            if ns is not None:
+                ns.remove_instance(instance)
+                self._gc(ns)
+        return True
+
+    # -------------------------------------------------------------- pool
+
+    def _pool_namespace_key(self, meta: PoolMeta, ev: PoolEvent, i: int) -> NamespaceKey:
+        model = ev.model_name if ev.model_name is not None else meta.model
+        block_size = ev.block_size if ev.block_size is not None else meta.block_size
+        if not model:
+            raise RejectedEvent(f"pool event {i}: no model_name and no kv-model header")
+        if block_size is None or block_size <= 0:
+            raise RejectedEvent(f"pool event {i}: no valid block_size and no kv-block-size header")
+        return NamespaceKey(
+            ev.tenant_id if ev.tenant_id is not None else meta.tenant,
+            model,
+            block_size,
+            ev.lora_name,
+            ev.additional_salt if ev.additional_salt is not None else meta.salt,
+        )
+
+    def apply_pool(self, backend_key: str, meta: PoolMeta, batch: PoolBatch, now: float) -> int:
+        self._tick(now)
+        keys = [self._pool_namespace_key(meta, ev, i) for i, ev in enumerate(batch.events)]
+        done = 0
+        for key, ev in zip(keys, batch.events, strict=True):
+            backend = ev.backend_id if ev.backend_id is not None else backend_key
+            if ev.event_type == "cleared":
+                ns = self.namespaces.get(key)
+                medium = None if ev.medium is None else pool_medium_name(ev.medium)
+                if ns is not None:
+                    done += ns.pool_clear(backend, medium)
+                    self._gc(ns)
+                self.counters["pool_clears"] += 1
+                continue
+            tier = pool_tier(ev.medium)
+            if tier is None:
+                self.counters["unknown_medium"] += len(ev.seq_hashes)
+                continue
+            if ev.event_type == "removed":
+                ns = self.namespaces.get(key)
+                if ns is None:
+                    self.counters["pool_removal_unknown"] += len(ev.seq_hashes)
+                    continue
+                medium = None if ev.medium is None else pool_medium_name(ev.medium)
+                done += ns.pool_remove(backend, medium, ev.seq_hashes)
+                self._gc(ns)
+                continue
+            ns = self._namespace(key)
+            if ns is None:
+                continue
+            placed = ns.pool_store(
+                backend,
+                pool_medium_name(ev.medium),
+                tier,
+                ev.seq_hashes,
+                ev.parent_hash,
+                ev.token_ids,
+            )
+            self.applied[("pool", TIER_NAMES[tier])] += placed
+            done += placed
+            self._gc(ns)
+        return done
+
+    # ------------------------------------------------------------ queries
+
+    def query(self, req: TokenQuery | HashQuery) -> QueryResponse:
+        key = namespace_of(req)
+        return run_query(self.namespaces.get(key), req)
+
+    def is_empty(self) -> bool:
+        return not self.namespaces

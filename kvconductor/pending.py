@@ -1,0 +1,83 @@
+"""A bounded, age-ordered queue of pending halves.
+
+Everything that waits for its other half (a confirmation waiting for
+content, a token-less store waiting for content, a chain waiting for its
+parent, an offload intent waiting for its confirmation) is one key here.
+Keys are kept in arrival order, so the oldest is always first: the count
+bound evicts from the head and the age bound expires from the head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+# Kinds, the first element of every key.
+WAITING = "w"  # ("w", seq, target): a placement waiting for the seq's content
+UNRESOLVED = "u"  # ("u", seq): content whose parent chain is not known yet
+INTENT = "i"  # ("i", seq): offload-intent content pinned for a pool confirmation
+RETIRED = "r"  # ("r", seq): content no tier holds any more, kept for late halves
+
+PendingKey = tuple[Any, ...]
+
+
+class PendingQueue:
+    __slots__ = ("_entries", "_on_drop", "by_kind", "max_age_s", "max_entries", "version")
+
+    def __init__(
+        self,
+        max_entries: int,
+        max_age_s: float,
+        on_drop: Callable[[PendingKey, str], None],
+    ) -> None:
+        self._entries: dict[PendingKey, float] = {}
+        self._on_drop = on_drop
+        self.max_entries = max_entries
+        self.max_age_s = max_age_s
+        self.by_kind: dict[str, int] = {WAITING: 0, UNRESOLVED: 0, INTENT: 0, RETIRED: 0}
+        # Bumped on every change, so a snapshot knows whether to publish it.
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[tuple[PendingKey, float]]:
+        return iter(list(self._entries.items()))
+
+    def add(self, key: PendingKey, ts: float) -> bool:
+        """Add `key` unless present; evict the oldest beyond the bound."""
+        entries = self._entries
+        if key in entries:
+            return False
+        entries[key] = ts
+        self.by_kind[key[0]] += 1
+        self.version += 1
+        while len(entries) > self.max_entries:
+            oldest = next(iter(entries))
+            self._drop(oldest, "count")
+        return True
+
+    def discard(self, key: PendingKey) -> bool:
+        if self._entries.pop(key, None) is None:
+            return False
+        self.by_kind[key[0]] -= 1
+        self.version += 1
+        return True
+
+    def expire(self, now: float) -> None:
+        entries = self._entries
+        cutoff = now - self.max_age_s
+        while entries:
+            oldest = next(iter(entries))
+            if entries[oldest] >= cutoff:
+                return
+            self._drop(oldest, "age")
+
+    def _drop(self, key: PendingKey, why: str) -> None:
+        del self._entries[key]
+        self.by_kind[key[0]] -= 1
+        self.version += 1
+        self._on_drop(key, why)

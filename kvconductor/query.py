@@ -1,0 +1,186 @@
+"""Cache-hit queries (contract section 4).
+
+For every listed (instance, dp rank) of a namespace, in one pass over the
+prompt's block identities:
+
+- `GPU`: the longest prefix in the rank's device tier;
+- `CPU`: from there, extended while each next block is in the rank's own
+  host tier or in any pool store of the host class;
+- `DISK`: the same extension when disk-class tiers (own or pool) serve too.
+
+Each of the three is a set of still-matching owners kept as a bitmask over
+owner slots, so one block costs a few dict lookups and big-int operations
+however many owners there are; the pass stops at the first block that no
+owner can serve, and prompt hashing is lazy, so a short hit never hashes the
+rest of a long prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import xxhash
+
+from kvconductor.hashing import MASK64, pack_tokens
+from kvconductor.media import DEVICE, DISK, HOST
+from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
+from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def namespace_of(req: TokenQuery | HashQuery) -> NamespaceKey:
+    if req.block_size <= 0:
+        raise InvalidQuery("block_size must be a positive integer")
+    return NamespaceKey(
+        req.tenant_id if req.tenant_id is not None else "default",
+        req.model,
+        req.block_size,
+        req.lora_name,
+        req.cache_salt if req.cache_salt is not None else "",
+    )
+
+
+def packed_prompt(req: TokenQuery) -> bytes:
+    """The prompt's full blocks as little-endian u32 tokens."""
+    n = len(req.token_ids) // req.block_size
+    try:
+        return pack_tokens(req.token_ids[: n * req.block_size])
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidQuery("token_ids must be integers in [0, 2**32)") from exc
+
+
+def token_identities(data: bytes, block_size: int, seed: int) -> Iterator[int]:
+    """The prompt's block identities, hashed only as far as they are read."""
+    step = block_size * 4
+    ident = seed
+    for start in range(0, len(data), step):
+        ident = _xxh3(data[start : start + step], ident)
+        yield ident
+
+
+def normalise_query_hash(value: int | str) -> int:
+    if isinstance(value, int):
+        if not -(1 << 63) <= value <= MASK64:
+            raise InvalidQuery("seq_hashes must fit in 64 bits")
+        return value & MASK64
+    try:
+        return int.from_bytes(bytes.fromhex(value), "big") & MASK64
+    except ValueError as exc:
+        raise InvalidQuery("a string seq_hash must be the hex of a digest") from exc
+
+
+def match(ns: NamespaceIndex, idents: Iterable[int], listed: int) -> dict[int, tuple[int, int, int]]:
+    """Per listed owner slot: (GPU, CPU, DISK) matched lengths in blocks."""
+    dev = ns.masks[DEVICE]
+    host = ns.masks[HOST]
+    disk = ns.masks[DISK]
+    pool_host = ns.pool_counts[HOST]
+    pool_disk = ns.pool_counts[DISK]
+    g = c = d = listed
+    ends: list[dict[int, int]] = [{}, {}, {}]
+    i = 0
+    if not (host or disk or pool_host or pool_disk):
+        # Device tiers only: CPU and DISK equal GPU.
+        for ident in idents:
+            ng = g & dev.get(ident, 0)
+            if ng != g:
+                _ended(g & ~ng, i, ends[0])
+                g = ng
+                if not g:
+                    break
+            i += 1
+        return {slot: (n, n, n) for slot, n in _finish(g, i, ends[0]).items()}
+    for ident in idents:
+        ng = g & dev.get(ident, 0)
+        lower_c = host.get(ident, 0)
+        if ident in pool_host:
+            lower_c = listed
+        lower_d = lower_c | disk.get(ident, 0)
+        if ident in pool_disk:
+            lower_d = listed
+        nc = ng | (c & lower_c)
+        nd = ng | (d & lower_d)
+        if ng != g:
+            _ended(g & ~ng, i, ends[0])
+            g = ng
+        if nc != c:
+            _ended(c & ~nc, i, ends[1])
+            c = nc
+        if nd != d:
+            _ended(d & ~nd, i, ends[2])
+            d = nd
+            if not d:
+                break
+        i += 1
+    gl = _finish(g, i, ends[0])
+    cl = _finish(c, i, ends[1])
+    dl = _finish(d, i, ends[2])
+    return {slot: (gl[slot], cl[slot], dl[slot]) for slot in gl}
+
+
+def _ended(bits: int, at: int, into: dict[int, int]) -> None:
+    while bits:
+        low = bits & -bits
+        into[low.bit_length() - 1] = at
+        bits ^= low
+
+
+def _finish(alive: int, length: int, ends: dict[int, int]) -> dict[int, int]:
+    _ended(alive, length, ends)
+    return ends
+
+
+def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:
+    if instance_id is None:
+        return ns.all_bits
+    bits = 0
+    for owner in ns.owners.get(instance_id, {}).values():
+        bits |= owner.bit
+    return bits
+
+
+def respond(
+    ns: NamespaceIndex, tenant: str, lengths: dict[int, tuple[int, int, int]]
+) -> QueryResponse:
+    """Shape per-slot lengths as the contract's answer, in tokens."""
+    bs = ns.block_size
+    by_instance: dict[str, list[tuple[int, int, int, int]]] = {}
+    for slot, (g, c, d) in lengths.items():
+        owner = ns.slots[slot]
+        assert owner is not None
+        by_instance.setdefault(owner.instance, []).append((owner.rank, g, c, d))
+    out: dict[str, dict[str, object]] = {}
+    for instance in sorted(by_instance):
+        ranks = sorted(by_instance[instance])
+        # Best rank: largest DISK, then GPU, then CPU, then the lowest rank.
+        best = min(ranks, key=lambda r: (-r[3], -r[1], -r[2], r[0]))
+        out[instance] = {
+            "longest_matched": best[3] * bs,
+            "GPU": best[1] * bs,
+            "CPU": best[2] * bs,
+            "DISK": best[3] * bs,
+            "DP": {str(r[0]): r[3] * bs for r in ranks},
+        }
+    return {tenant: out} if out else {}
+
+
+def run_query(ns: NamespaceIndex | None, req: TokenQuery | HashQuery) -> QueryResponse:
+    """Answer one query against its namespace (None: unknown namespace).
+
+    Inputs are validated before the namespace is consulted, so a bad request
+    is a 400 whether or not its namespace exists."""
+    if isinstance(req, TokenQuery):
+        data = packed_prompt(req)
+        if ns is None:
+            return {}
+        idents: Iterable[int] = token_identities(data, ns.block_size, ns.seed)
+    else:
+        hashes = [normalise_query_hash(h) for h in req.seq_hashes]
+        if ns is None:
+            return {}
+        idents = ns.identities_of(hashes)
+    listed = listed_bits(ns, req.instance_id)
+    if not listed:
+        return {}
+    return respond(ns, ns.key.tenant, match(ns, idents, listed))

@@ -1,0 +1,101 @@
+"""Kafka record metadata: the headers of contract sections 2 and 3."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from kvconductor.errors import InvalidHeader, MissingHeader
+
+Headers = Iterable[tuple[str, bytes]]
+
+SOURCES = frozenset({"vllm", "sglang", "trtllm"})
+OFFLOAD_MODES = frozenset({"local", "pool"})
+
+
+class EngineMeta(NamedTuple):
+    model: str
+    block_size: int
+    source: str
+    seq: int | None
+    tenant: str
+    salt: str
+    dp_rank: int
+    offload_pool: bool
+
+
+class PoolMeta(NamedTuple):
+    """Namespace defaults for pool events that leave a field out."""
+
+    model: str | None
+    block_size: int | None
+    tenant: str
+    salt: str
+    seq: int | None
+
+
+def _decode_headers(headers: Headers) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in headers:
+        if not name.startswith("kv-"):
+            continue
+        try:
+            out[name] = value.decode("utf-8") if value is not None else ""
+        except UnicodeDecodeError as exc:
+            raise InvalidHeader(f"header {name} is not valid UTF-8") from exc
+    return out
+
+
+def _int(h: dict[str, str], name: str, lo: int, hi: int) -> int | None:
+    raw = h.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw, 10)
+    except ValueError as exc:
+        raise InvalidHeader(f"header {name} is not a decimal integer: {raw[:40]!r}") from exc
+    if not lo <= value <= hi:
+        raise InvalidHeader(f"header {name} is out of range [{lo}, {hi}]: {value}")
+    return value
+
+
+_MAX_BLOCK_SIZE = 1 << 20
+_MAX_RANK = 1 << 16
+_MAX_SEQ = (1 << 64) - 1
+
+
+def engine_meta(headers: Headers) -> EngineMeta:
+    h = _decode_headers(headers)
+    model = h.get("kv-model")
+    if not model:
+        raise MissingHeader("required header kv-model is missing")
+    block_size = _int(h, "kv-block-size", 1, _MAX_BLOCK_SIZE)
+    if block_size is None:
+        raise MissingHeader("required header kv-block-size is missing")
+    source = h.get("kv-source", "vllm").lower() or "vllm"
+    if source not in SOURCES:
+        raise InvalidHeader(f"header kv-source must be one of {sorted(SOURCES)}: {source!r}")
+    offload = h.get("kv-offload", "local").lower() or "local"
+    if offload not in OFFLOAD_MODES:
+        raise InvalidHeader(f"header kv-offload must be local or pool: {offload!r}")
+    return EngineMeta(
+        model=model,
+        block_size=block_size,
+        source=source,
+        seq=_int(h, "kv-seq", 0, _MAX_SEQ),
+        tenant=h.get("kv-tenant") or "default",
+        salt=h.get("kv-salt", ""),
+        dp_rank=_int(h, "kv-dp-rank", 0, _MAX_RANK) or 0,
+        offload_pool=offload == "pool",
+    )
+
+
+def pool_meta(headers: Headers) -> PoolMeta:
+    h = _decode_headers(headers)
+    return PoolMeta(
+        model=h.get("kv-model") or None,
+        block_size=_int(h, "kv-block-size", 1, _MAX_BLOCK_SIZE),
+        tenant=h.get("kv-tenant") or "default",
+        salt=h.get("kv-salt", ""),
+        seq=_int(h, "kv-seq", 0, _MAX_SEQ),
+    )
