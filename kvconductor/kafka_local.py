@@ -1,0 +1,802 @@
+"""A real single-node Apache Kafka broker (KRaft) for development, tests and CI, no Docker.
+
+The broker runs straight from the Apache Kafka jars on Maven Central:
+
+* ``fetch_jars()`` copies the runtime of ``config/kafka/pom.xml`` (``kafka_2.13`` plus a
+  log4j2 backend) into a cache folder with Maven, once; later runs find the jars there.
+* ``start()`` renders ``config/kafka/server.properties`` into a data folder, formats the
+  KRaft storage, launches ``kafka.Kafka`` detached, waits until the broker answers an admin
+  call and returns its bootstrap address. It is idempotent per data folder.
+* ``stop()`` / ``status()`` act on the broker recorded in that data folder's pid file.
+
+Command line (``python -m kvconductor.kafka_local``, later ``kvconductor kafka-local``)::
+
+    start [--dir DIR] [--port PORT] [--controller-port PORT] [--wait SECONDS]
+    stop [--dir DIR]
+    status [--dir DIR]
+    fetch
+
+``start`` prints only the bootstrap address on stdout (progress goes to stderr), so
+``BOOTSTRAP=$(python -m kvconductor.kafka_local start)`` works.
+
+Environment: ``KVCONDUCTOR_KAFKA_DIR`` (data folder, default ``<repo>/.kafka-local``),
+``KVCONDUCTOR_KAFKA_PORT`` (client port, default 39092; the controller port defaults to the
+client port + 1), ``KVCONDUCTOR_KAFKA_LIBS`` (jar cache, default
+``~/.cache/kvconductor/kafka-<version>/libs``), ``JAVA_HOME`` (else ``java`` on PATH),
+``KVCONDUCTOR_KAFKA_JAVA_OPTS`` (extra JVM options, after the defaults; for example
+``-XX:TieredStopAtLevel=1`` starts about 1.5 s faster with ~25 MiB less RSS, at the cost of
+broker throughput, so it is not the default: benchmarks run against this broker).
+
+Files in the data folder: ``server.properties`` (rendered), ``kraft-logs/`` (topic data and
+the metadata log), ``logs/server.log`` (log4j2), ``logs/kafka.out`` (the JVM's own
+stdout/stderr), ``kafka.pid`` and ``broker.json`` (pid, ports, bootstrap of the running
+broker).
+
+Listeners are described by :class:`Listener` objects and rendered into the properties
+template, so a TLS or SASL/SCRAM listener can later be added as one more ``Listener``
+(with its ``listener.name.<name>.*`` settings) without touching the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import concurrent.futures
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "config" / "kafka"
+POM_FILE = CONFIG_DIR / "pom.xml"
+PROPERTIES_TEMPLATE = CONFIG_DIR / "server.properties"
+LOG4J2_CONFIG = CONFIG_DIR / "log4j2.yaml"
+
+HOST = "127.0.0.1"
+DEFAULT_PORT = 39092
+DEFAULT_CONTROLLER_PORT = DEFAULT_PORT + 1
+DEFAULT_WAIT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+MIN_JAVA = 17
+DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
+# Small heap: the broker shares a 2-core machine with the tests and the daemon.
+JVM_OPTIONS: tuple[str, ...] = (
+    "-Xms64m",
+    "-Xmx768m",
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    "-Djava.awt.headless=true",
+    # Keep log4j2 alive until the JVM exits, so the shutdown is logged too.
+    "-Dlog4j2.shutdownHookEnabled=false",
+)
+
+ENV_DIR = "KVCONDUCTOR_KAFKA_DIR"
+ENV_PORT = "KVCONDUCTOR_KAFKA_PORT"
+ENV_LIBS = "KVCONDUCTOR_KAFKA_LIBS"
+ENV_JAVA_OPTS = "KVCONDUCTOR_KAFKA_JAVA_OPTS"
+
+PID_FILE = "kafka.pid"
+STATE_FILE = "broker.json"
+LOCK_FILE = ".kafka-local.lock"
+FETCHED_MARKER = ".kvconductor-fetched"
+
+_POM_NS = {"m": "http://maven.apache.org/POM/4.0.0"}
+
+
+class KafkaLocalError(RuntimeError):
+    """A one-line, user-facing reason why the local broker cannot be fetched or run."""
+
+
+@dataclass(frozen=True)
+class Listener:
+    """One client listener of the broker, rendered into ``server.properties``.
+
+    ``settings`` become ``listener.name.<name lower-case>.<key>=<value>`` lines (the place
+    for ``ssl.keystore.location``, ``sasl.enabled.mechanisms`` and the like).
+    """
+
+    name: str
+    port: int
+    protocol: str = "PLAINTEXT"
+    settings: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"{self.name}://{HOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    """What ``status()`` found in a data folder."""
+
+    data_dir: Path
+    running: bool
+    pid: int | None = None
+    bootstrap: str | None = None
+    answering: bool = False
+
+
+# Brokers started by this process: kept so they can be reaped (no zombies) on stop().
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _say(message: str) -> None:
+    print(f"kafka-local: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# Locations and settings
+# --------------------------------------------------------------------------------------
+
+
+def _config_file(path: Path) -> Path:
+    if not path.is_file():
+        raise KafkaLocalError(
+            f"{path} is missing: kvconductor must be installed editable from its repository "
+            "(pip install -e .)"
+        )
+    return path
+
+
+def kafka_version() -> str:
+    """The Kafka version pinned in ``config/kafka/pom.xml`` (property ``kafka.version``)."""
+    root = ET.parse(_config_file(POM_FILE)).getroot()
+    node = root.find("m:properties/m:kafka.version", _POM_NS)
+    if node is None or not (node.text or "").strip():
+        raise KafkaLocalError(f"{POM_FILE} has no <kafka.version> property")
+    return (node.text or "").strip()
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get(ENV_DIR)
+    return Path(env).expanduser() if env else REPO_ROOT / ".kafka-local"
+
+
+def default_port() -> int:
+    env = os.environ.get(ENV_PORT)
+    if not env:
+        return DEFAULT_PORT
+    try:
+        return int(env)
+    except ValueError:
+        raise KafkaLocalError(f"{ENV_PORT}={env!r} is not a port number") from None
+
+
+def default_libs_dir() -> Path:
+    env = os.environ.get(ENV_LIBS)
+    if env:
+        return Path(env).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvconductor" / f"kafka-{kafka_version()}" / "libs"
+
+
+def _resolve_dir(data_dir: Path | None) -> Path:
+    return (data_dir if data_dir is not None else default_data_dir()).expanduser().resolve()
+
+
+# --------------------------------------------------------------------------------------
+# Tools: Java and Maven
+# --------------------------------------------------------------------------------------
+
+
+def _java_version(java: str) -> int:
+    try:
+        out = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except OSError as exc:
+        raise KafkaLocalError(f"cannot run {java}: {exc}") from None
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if match is None:
+        raise KafkaLocalError(f"cannot tell the Java version of {java}")
+    major = int(match.group(1))
+    return int(match.group(2) or 0) if major == 1 else major
+
+
+def find_java() -> str:
+    """Path of a Java 17+ ``java`` (``$JAVA_HOME/bin/java``, else ``java`` on PATH)."""
+    java_home = os.environ.get("JAVA_HOME")
+    candidate = Path(java_home) / "bin" / "java" if java_home else None
+    java = str(candidate) if candidate and candidate.is_file() else shutil.which("java")
+    if java is None:
+        raise KafkaLocalError(
+            f"Java {MIN_JAVA}+ is required to run Kafka and none was found "
+            "(install openjdk-17-jre-headless or set JAVA_HOME)"
+        )
+    version = _java_version(java)
+    if version < MIN_JAVA:
+        raise KafkaLocalError(
+            f"Kafka 4.x needs Java {MIN_JAVA}+, but {java} is Java {version} "
+            "(install openjdk-17-jre-headless or set JAVA_HOME)"
+        )
+    return java
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the ``with`` block."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _pom_stamp() -> str:
+    return hashlib.sha256(_config_file(POM_FILE).read_bytes()).hexdigest()
+
+
+def _jars_present(libs: Path, version: str, stamp: str) -> bool:
+    marker = libs / FETCHED_MARKER
+    return (
+        marker.is_file()
+        and marker.read_text().strip() == stamp
+        and (libs / f"kafka_2.13-{version}.jar").is_file()
+    )
+
+
+def fetch_jars(libs: Path | None = None) -> Path:
+    """Copy the broker's runtime jars into ``libs`` with Maven, unless already there.
+
+    Returns the libs folder. The folder is complete once it holds a marker written after
+    Maven succeeded (it records a hash of the pom, so editing the pom fetches again).
+    """
+    version = kafka_version()
+    libs = (libs if libs is not None else default_libs_dir()).expanduser().resolve()
+    stamp = _pom_stamp()
+    if _jars_present(libs, version, stamp):
+        return libs
+    with _locked(libs.parent / f"{libs.name}.lock"):
+        if _jars_present(libs, version, stamp):  # another process fetched meanwhile
+            return libs
+        mvn = shutil.which("mvn")
+        if mvn is None:
+            raise KafkaLocalError(
+                "Maven (mvn) is required to fetch the Kafka jars once and was not found "
+                "(install the maven package)"
+            )
+        _say(f"fetching Apache Kafka {version} jars from Maven Central into {libs} (once)")
+        started = time.monotonic()
+        libs.mkdir(parents=True, exist_ok=True)
+        for stale in [*libs.glob("*.jar"), libs / FETCHED_MARKER]:
+            stale.unlink(missing_ok=True)
+        cmd = [
+            mvn, "-q", "-B", "-f", str(POM_FILE),
+            f"{DEPENDENCY_PLUGIN}:copy-dependencies",
+            f"-DoutputDirectory={libs}", "-DincludeScope=runtime",
+        ]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+            print(tail, file=sys.stderr)
+            raise KafkaLocalError(f"mvn could not fetch the Kafka jars (exit {result.returncode})")
+        if not (libs / f"kafka_2.13-{version}.jar").is_file():
+            raise KafkaLocalError(f"mvn ran but kafka_2.13-{version}.jar is not in {libs}")
+        (libs / FETCHED_MARKER).write_text(stamp + "\n")
+        jars = list(libs.glob("*.jar"))
+        size_mib = sum(j.stat().st_size for j in jars) / 2**20
+        elapsed = time.monotonic() - started
+        _say(f"fetched {len(jars)} jars ({size_mib:.0f} MiB) in {elapsed:.1f} s")
+    return libs
+
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+
+def render_properties(data_dir: Path, listeners: Sequence[Listener], controller_port: int) -> str:
+    """``server.properties`` for ``data_dir`` from the template in ``config/kafka``.
+
+    The first listener must be ``PLAINTEXT`` (the inter-broker listener of the template).
+    """
+    if not listeners or listeners[0].name != "PLAINTEXT":
+        raise KafkaLocalError("the first listener must be the PLAINTEXT listener")
+    controller = Listener("CONTROLLER", controller_port)
+    ports = [lst.port for lst in (*listeners, controller)]
+    if len(set(ports)) != len(ports):
+        raise KafkaLocalError(f"listener ports must differ, got {ports}")
+    protocol_map = {lst.name: lst.protocol for lst in (*listeners, controller)}
+    settings = [
+        f"listener.name.{lst.name.lower()}.{key}={value}"
+        for lst in listeners
+        for key, value in lst.settings.items()
+    ]
+    template = Template(_config_file(PROPERTIES_TEMPLATE).read_text())
+    return template.substitute(
+        controller_port=controller_port,
+        data_dir=str(data_dir),
+        listeners=",".join(lst.url for lst in (*listeners, controller)),
+        advertised_listeners=",".join(lst.url for lst in listeners),
+        protocol_map=",".join(f"{name}:{proto}" for name, proto in protocol_map.items()),
+        listener_settings="\n".join(settings),
+    )
+
+
+def new_cluster_id() -> str:
+    """16 random bytes, URL-safe base64 without padding (what ``kafka-storage random-uuid``
+    prints)."""
+    return base64.urlsafe_b64encode(os.urandom(16)).rstrip(b"=").decode("ascii")
+
+
+def _existing_cluster_id(data_dir: Path) -> str | None:
+    meta = data_dir / "kraft-logs" / "meta.properties"
+    if not meta.is_file():
+        return None
+    for line in meta.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "cluster.id" and value.strip():
+            return value.strip()
+    return None
+
+
+def _java_cmd(java: str, libs: Path, data_dir: Path, main_class: str) -> list[str]:
+    return [
+        java,
+        *JVM_OPTIONS,
+        *shlex.split(os.environ.get(ENV_JAVA_OPTS, "")),
+        "-cp",
+        f"{libs}/*",
+        f"-Dlog4j2.configurationFile={_config_file(LOG4J2_CONFIG)}",
+        f"-Dkafka.logs.dir={data_dir / 'logs'}",
+        main_class,
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    """Arguments of a live, non-zombie process, or None."""
+    proc = Path(f"/proc/{pid}")
+    if proc.is_dir():
+        try:
+            stat = (proc / "stat").read_text()
+            if stat.rpartition(")")[2].split()[0] == "Z":
+                return None
+            raw = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            return None
+        return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg] or None
+    try:  # no /proc (macOS): ask ps
+        out = subprocess.run(
+            ["ps", "-ww", "-o", "stat=,args=", "-p", str(pid)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    except OSError:
+        return None
+    fields = out.stdout.strip().split()
+    if out.returncode != 0 or len(fields) < 2 or fields[0].startswith("Z"):
+        return None
+    return fields[1:]
+
+
+def _is_our_broker(pid: int, data_dir: Path) -> bool:
+    """Is ``pid`` the ``kafka.Kafka`` process started on this data folder's properties?"""
+    args = _cmdline(pid)
+    return (
+        args is not None and "kafka.Kafka" in args and str(data_dir / "server.properties") in args
+    )
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status of a broker this process started (else it lingers as a
+    zombie). Brokers started by other processes are reaped by their parent or init."""
+    child = _CHILDREN.get(pid)
+    if child is not None and child.poll() is not None:
+        del _CHILDREN[pid]
+
+
+def _read_pid(data_dir: Path) -> int | None:
+    try:
+        return int((data_dir / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_state(data_dir: Path) -> dict[str, object]:
+    try:
+        state = json.loads((data_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _forget(data_dir: Path) -> None:
+    (data_dir / PID_FILE).unlink(missing_ok=True)
+    (data_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def _running_pid(data_dir: Path) -> int | None:
+    pid = _read_pid(data_dir)
+    if pid is None:
+        return None
+    _reap(pid)
+    return pid if _is_our_broker(pid, data_dir) else None
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1 (for test brokers), never the defaults of
+    the developer's own broker (39092/39093)."""
+    avoid = {DEFAULT_PORT, DEFAULT_CONTROLLER_PORT}
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((HOST, 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+        return ports
+
+
+def _log_tail(data_dir: Path, lines: int = 30) -> str:
+    parts = []
+    for name in ("kafka.out", "server.log"):
+        path = data_dir / "logs" / name
+        with contextlib.suppress(OSError):
+            text = path.read_text(errors="replace").strip()
+            if text:
+                parts.append(f"--- {path} (last lines) ---")
+                parts.extend(text.splitlines()[-lines:])
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------
+# Readiness
+# --------------------------------------------------------------------------------------
+
+
+async def _answers(bootstrap: str, timeout_s: float) -> bool:
+    """One admin call: does the broker answer a metadata request listing itself?"""
+    from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
+
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        client_id="kvconductor-kafka-local",
+        request_timeout_ms=max(1000, int(timeout_s * 1000)),
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+            cluster = await admin.describe_cluster()
+        return bool(cluster.get("brokers"))
+    except Exception:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+async def _wait_ready_async(
+    bootstrap: str, port: int, alive: Callable[[], bool], wait_s: float
+) -> str:
+    deadline = time.monotonic() + wait_s
+    while True:
+        if not alive():
+            return "died"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return "timeout"
+        if _port_open(port) and await _answers(bootstrap, min(5.0, max(remaining, 0.5))):
+            return "ready"
+        await asyncio.sleep(0.25)
+
+
+def _wait_ready(bootstrap: str, port: int, alive: Callable[[], bool], wait_s: float) -> str:
+    """Poll until the broker answers ("ready"), its process ends ("died") or time is up.
+
+    Runs its own event loop in a worker thread: safe to call from synchronous code, from a
+    running event loop, and without touching the caller's current event loop (pytest-asyncio).
+    aiokafka's connection errors are silenced while polling.
+    """
+    aiokafka_log = logging.getLogger("aiokafka")
+    level = aiokafka_log.level
+    aiokafka_log.setLevel(logging.CRITICAL)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1, "kafka-local-wait") as pool:
+            coro = _wait_ready_async(bootstrap, port, alive, wait_s)
+            return pool.submit(asyncio.run, coro).result()
+    finally:
+        aiokafka_log.setLevel(level)
+
+
+# --------------------------------------------------------------------------------------
+# start / stop / status
+# --------------------------------------------------------------------------------------
+
+
+def _ready_or_raise(
+    data_dir: Path,
+    bootstrap: str,
+    port: int,
+    pid: int,
+    wait_s: float,
+    started: float,
+    *,
+    fresh: bool,
+) -> str:
+    """Wait for the broker; on failure print its log tail and raise. A ``fresh`` broker (just
+    launched) that does not answer in time is stopped; an older one is left alone."""
+
+    def alive() -> bool:
+        _reap(pid)
+        return _is_our_broker(pid, data_dir)
+
+    outcome = _wait_ready(bootstrap, port, alive, wait_s)
+    if outcome == "ready":
+        _say(f"broker ready on {bootstrap} (pid {pid}, {time.monotonic() - started:.1f} s)")
+        return bootstrap
+    tail = _log_tail(data_dir)
+    if tail:
+        print(tail, file=sys.stderr)
+    if outcome == "died":
+        _forget(data_dir)
+        raise KafkaLocalError(
+            f"the Kafka broker (pid {pid}) exited during start; see {data_dir / 'logs'}"
+        )
+    if not fresh:
+        raise KafkaLocalError(
+            f"the Kafka broker (pid {pid}) runs but did not answer on {bootstrap} within "
+            f"{wait_s:.0f} s; see {data_dir / 'logs'}, or stop it and start again"
+        )
+    _kill(pid, data_dir, STOP_TIMEOUT_S)
+    _forget(data_dir)
+    raise KafkaLocalError(
+        f"the Kafka broker (pid {pid}) did not answer on {bootstrap} within {wait_s:.0f} s "
+        f"and was stopped; see {data_dir / 'logs'}"
+    )
+
+
+def start(
+    data_dir: Path | None = None,
+    port: int | None = None,
+    controller_port: int | None = None,
+    wait_s: float = DEFAULT_WAIT_S,
+) -> str:
+    """Start (or find running) the local broker of ``data_dir``; return its bootstrap address.
+
+    ``data_dir`` defaults to ``$KVCONDUCTOR_KAFKA_DIR`` or ``<repo>/.kafka-local``; ``port``
+    to ``$KVCONDUCTOR_KAFKA_PORT`` or 39092; ``controller_port`` to ``port + 1``. If a broker
+    started by this tool already runs in ``data_dir`` (whatever its ports), its address is
+    returned once it answers. Raises :class:`KafkaLocalError` with a one-line reason.
+    """
+    started = time.monotonic()
+    data_dir = _resolve_dir(data_dir)
+    explicit_port = port is not None or bool(os.environ.get(ENV_PORT))
+    port = default_port() if port is None else port
+    controller_port = port + 1 if controller_port is None else controller_port
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(data_dir / LOCK_FILE):
+        pid = _running_pid(data_dir)
+        if pid is not None:
+            state = _read_state(data_dir)
+            running_port = state.get("port")
+            if not isinstance(running_port, int):
+                raise KafkaLocalError(f"{data_dir / STATE_FILE} is unreadable; run stop first")
+            bootstrap = f"{HOST}:{running_port}"
+            if running_port != port and explicit_port:
+                _say(f"already running in {data_dir} on port {running_port}, not {port}")
+            _say(f"already running (pid {pid}) in {data_dir}")
+            return _ready_or_raise(
+                data_dir, bootstrap, running_port, pid, wait_s, started, fresh=False
+            )
+        _forget(data_dir)  # a stale pid file, if any
+
+        java = find_java()
+        libs = fetch_jars()
+        listeners = [Listener("PLAINTEXT", port)]
+        busy = [p for p in (port, controller_port) if _port_busy(p)]
+        if busy:
+            raise KafkaLocalError(
+                f"port {busy[0]} on {HOST} is already in use (another broker?); "
+                f"choose others with --port/--controller-port or {ENV_PORT}"
+            )
+        props = data_dir / "server.properties"
+        props.write_text(render_properties(data_dir, listeners, controller_port))
+        logs = data_dir / "logs"
+        logs.mkdir(exist_ok=True)
+
+        cluster_id = _existing_cluster_id(data_dir) or new_cluster_id()
+        fmt = subprocess.run(
+            [
+                *_java_cmd(java, libs, data_dir, "kafka.tools.StorageTool"),
+                "format", "-t", cluster_id, "-c", str(props), "--ignore-formatted",
+            ],
+            capture_output=True, text=True, timeout=180, check=False,
+        )  # fmt: skip
+        if fmt.returncode != 0:
+            print((fmt.stdout + fmt.stderr).strip(), file=sys.stderr)
+            raise KafkaLocalError(f"formatting the KRaft storage in {data_dir} failed")
+
+        _say(f"starting Kafka {kafka_version()} in {data_dir} on {HOST}:{port}")
+        with (logs / "kafka.out").open("ab") as out:
+            child = subprocess.Popen(
+                [*_java_cmd(java, libs, data_dir, "kafka.Kafka"), str(props)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=data_dir,
+                start_new_session=True,
+            )
+        _CHILDREN[child.pid] = child
+        bootstrap = f"{HOST}:{port}"
+        (data_dir / PID_FILE).write_text(f"{child.pid}\n")
+        state = {
+            "pid": child.pid,
+            "bootstrap": bootstrap,
+            "port": port,
+            "controller_port": controller_port,
+            "cluster_id": cluster_id,
+            "kafka_version": kafka_version(),
+            "libs": str(libs),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (data_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        return _ready_or_raise(data_dir, bootstrap, port, child.pid, wait_s, started, fresh=True)
+
+
+def _kill(pid: int, data_dir: Path, timeout_s: float) -> None:
+    """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns once the broker is gone."""
+
+    def gone(wait: float) -> bool:
+        deadline = time.monotonic() + wait
+        while True:
+            _reap(pid)
+            if not _is_our_broker(pid, data_dir):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    if gone(timeout_s):
+        return
+    _say(f"broker pid {pid} ignored SIGTERM for {timeout_s:.0f} s; sending SIGKILL")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    if not gone(10.0):
+        raise KafkaLocalError(f"broker pid {pid} survived SIGKILL")
+
+
+def stop(data_dir: Path | None = None, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+    """Stop the broker started in ``data_dir``; True if one was running. Idempotent.
+
+    Only signals the pid from the pid file, and only if that process really is the
+    ``kafka.Kafka`` broker of this data folder.
+    """
+    data_dir = _resolve_dir(data_dir)
+    if not data_dir.is_dir():
+        _say(f"not running ({data_dir} does not exist)")
+        return False
+    with _locked(data_dir / LOCK_FILE):
+        pid = _running_pid(data_dir)
+        if pid is None:
+            if (data_dir / PID_FILE).exists():
+                _say("removing a stale pid file")
+            _forget(data_dir)
+            _say(f"not running in {data_dir}")
+            return False
+        started = time.monotonic()
+        _kill(pid, data_dir, timeout_s)
+        _forget(data_dir)
+        _say(f"stopped broker pid {pid} in {time.monotonic() - started:.1f} s")
+        return True
+
+
+def status(data_dir: Path | None = None) -> BrokerStatus:
+    """Print and return whether the broker of ``data_dir`` runs, its pid and bootstrap."""
+    data_dir = _resolve_dir(data_dir)
+    pid = _running_pid(data_dir) if data_dir.is_dir() else None
+    if pid is None:
+        print(f"stopped (dir {data_dir})")
+        return BrokerStatus(data_dir=data_dir, running=False)
+    port = _read_state(data_dir).get("port")
+    bootstrap = f"{HOST}:{port}" if isinstance(port, int) else None
+    answering = (
+        bootstrap is not None
+        and isinstance(port, int)
+        and (_wait_ready(bootstrap, port, lambda: True, 5.0) == "ready")
+    )
+    health = "answering" if answering else "NOT answering"
+    print(f"running pid={pid} bootstrap={bootstrap} ({health}) dir={data_dir}")
+    return BrokerStatus(data_dir, True, pid, bootstrap, answering)
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help=f"data folder (default ${ENV_DIR} or <repo>/.kafka-local)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="kvconductor kafka-local",
+        description="Run a local single-node Apache Kafka broker (KRaft) from Maven jars.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    start_p = sub.add_parser(
+        "start", parents=[common], help="start the broker (idempotent), print its bootstrap"
+    )
+    start_p.add_argument(
+        "--port", type=int, default=None, help=f"client port (default ${ENV_PORT} or 39092)"
+    )
+    start_p.add_argument(
+        "--controller-port", type=int, default=None, help="controller port (default port + 1)"
+    )
+    start_p.add_argument(
+        "--wait", type=float, default=DEFAULT_WAIT_S, help="seconds to wait for readiness"
+    )
+    sub.add_parser("stop", parents=[common], help="stop the broker (idempotent)")
+    sub.add_parser("status", parents=[common], help="running/stopped, pid, bootstrap")
+    sub.add_parser("fetch", help="only fetch the broker jars into the cache")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point. Exit codes: 0 ok; 1 error; 3 ``status`` found it stopped."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "start":
+            print(start(args.dir, args.port, args.controller_port, args.wait), flush=True)
+        elif args.command == "stop":
+            stop(args.dir)
+        elif args.command == "status":
+            return 0 if status(args.dir).running else 3
+        elif args.command == "fetch":
+            print(fetch_jars())
+    except KafkaLocalError as exc:
+        print(f"kafka-local: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

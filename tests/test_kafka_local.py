@@ -1,0 +1,245 @@
+"""The local Kafka broker (kvconductor.kafka_local) and aiokafka 0.14 against it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from kvconductor import kafka_local
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+async def _create_topic(
+    bootstrap: str, name: str, partitions: int = 1, configs: dict[str, str] | None = None
+) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        response = await admin.create_topics(
+            [NewTopic(name, partitions, 1, topic_configs=configs or {})]
+        )
+        errors = [(topic, code) for topic, code, *_ in response.topic_errors if code != 0]
+        assert errors == [], errors
+    finally:
+        await admin.close()
+
+
+async def _read_to_end(consumer: Any, tp: TopicPartition) -> list[bytes]:
+    """Values of ``tp`` from the start to its end (its LSO under read_committed)."""
+    consumer.assign([tp])
+    await consumer.seek_to_beginning(tp)
+    end = (await consumer.end_offsets([tp]))[tp]
+    values: list[bytes] = []
+    async with asyncio.timeout(30):
+        while await consumer.position(tp) < end:
+            batches = await consumer.getmany(tp, timeout_ms=500)
+            values.extend(msg.value for msg in batches.get(tp, []))
+    return values
+
+
+# ------------------------------------------------------------------------------------------
+# Without a broker
+# ------------------------------------------------------------------------------------------
+
+
+def test_cluster_id_is_16_bytes_urlsafe_base64() -> None:
+    cluster_id = kafka_local.new_cluster_id()
+    assert re.fullmatch(r"[A-Za-z0-9_-]{22}", cluster_id)
+
+
+def test_render_properties_fills_every_placeholder(tmp_path: Path) -> None:
+    text = kafka_local.render_properties(
+        tmp_path, [kafka_local.Listener("PLAINTEXT", 41000)], controller_port=41001
+    )
+    assert "${" not in text
+    props = dict(
+        line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:41000,CONTROLLER://127.0.0.1:41001"
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:41000"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:41001"
+    assert props["log.dirs"] == f"{tmp_path}/kraft-logs"
+    assert props["auto.create.topics.enable"] == "false"
+    for key in (
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+        "transaction.state.log.min.isr",
+        "share.coordinator.state.topic.replication.factor",
+    ):
+        assert props[key] == "1"
+
+
+def test_render_properties_extra_listener_settings(tmp_path: Path) -> None:
+    # The hook a later TLS / SASL listener will use.
+    sasl = kafka_local.Listener(
+        "SASL_PLAINTEXT",
+        41002,
+        protocol="SASL_PLAINTEXT",
+        settings={"sasl.enabled.mechanisms": "SCRAM-SHA-512"},
+    )
+    text = kafka_local.render_properties(
+        tmp_path, [kafka_local.Listener("PLAINTEXT", 41000), sasl], controller_port=41001
+    )
+    assert "listener.name.sasl_plaintext.sasl.enabled.mechanisms=SCRAM-SHA-512" in text
+    assert (
+        "listener.security.protocol.map="
+        "PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT" in text
+    )
+
+
+def test_stop_ignores_a_pid_that_is_not_its_broker(tmp_path: Path) -> None:
+    # A stale pid file naming some other live process (here: a sleep) must not kill it.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / kafka_local.PID_FILE).write_text(f"{other.pid}\n")
+        assert kafka_local.stop(tmp_path) is False
+        assert other.poll() is None
+        assert not (tmp_path / kafka_local.PID_FILE).exists()
+        assert kafka_local.status(tmp_path).running is False
+    finally:
+        other.kill()
+        other.wait()
+
+
+# ------------------------------------------------------------------------------------------
+# Against the session broker
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.kafka
+async def test_produce_consume_and_commit(kafka_bootstrap: str) -> None:
+    topic, group = _name("kl-plain"), _name("kl-group")
+    await _create_topic(kafka_bootstrap, topic)
+
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        meta = await producer.send_and_wait(topic, b"hello", key=b"k1")
+    finally:
+        await producer.stop()
+    assert meta.offset == 0
+
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=kafka_bootstrap,
+        group_id=group,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    try:
+        msg = await asyncio.wait_for(consumer.getone(), 30)
+        assert (msg.key, msg.value, msg.offset) == (b"k1", b"hello", 0)
+        await consumer.commit()
+        assert await consumer.committed(TopicPartition(topic, 0)) == 1
+    finally:
+        await consumer.stop()
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+        assert offsets[TopicPartition(topic, 0)].offset == 1
+        # auto.create.topics.enable=false: a metadata request does not create a topic.
+        missing = _name("kl-missing")
+        await admin.describe_topics([missing])
+        assert missing not in await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+@pytest.mark.kafka
+async def test_transactions(kafka_bootstrap: str) -> None:
+    topic, group = _name("kl-txn"), _name("kl-txn-group")
+    await _create_topic(kafka_bootstrap, topic)
+    tp = TopicPartition(topic, 0)
+
+    producer = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, transactional_id=_name("kl-txn-id")
+    )
+    await producer.start()
+    try:
+        async with producer.transaction():
+            await producer.send_and_wait(topic, b"committed")
+        await producer.begin_transaction()
+        await producer.send_and_wait(topic, b"aborted")
+        await producer.abort_transaction()
+        # consume-transform-produce: output and input offsets commit atomically.
+        async with producer.transaction():
+            await producer.send_and_wait(topic, b"with-offsets")
+            await producer.send_offsets_to_transaction({tp: 7}, group)
+    finally:
+        await producer.stop()
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka_bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        fetch_max_wait_ms=100,
+    )
+    await consumer.start()
+    try:
+        assert await _read_to_end(consumer, tp) == [b"committed", b"with-offsets"]
+    finally:
+        await consumer.stop()
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+        assert offsets[tp].offset == 7
+    finally:
+        await admin.close()
+
+
+# ------------------------------------------------------------------------------------------
+# start / stop of a broker of its own (never the session broker)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.kafka
+def test_start_is_idempotent_stop_works_and_restart_keeps_the_cluster(tmp_path: Path) -> None:
+    port, controller_port = kafka_local.free_ports(2)
+    bootstrap = kafka_local.start(tmp_path, port=port, controller_port=controller_port)
+    pid = int((tmp_path / kafka_local.PID_FILE).read_text())
+    try:
+        assert bootstrap == f"127.0.0.1:{port}"
+        again = kafka_local.start(tmp_path, port=port, controller_port=controller_port)
+        assert again == bootstrap
+        assert int((tmp_path / kafka_local.PID_FILE).read_text()) == pid
+        status = kafka_local.status(tmp_path)
+        assert (status.running, status.pid, status.bootstrap, status.answering) == (
+            True,
+            pid,
+            bootstrap,
+            True,
+        )
+        cluster_id = (tmp_path / "kraft-logs" / "meta.properties").read_text()
+    finally:
+        assert kafka_local.stop(tmp_path) is True
+
+    assert not (tmp_path / kafka_local.PID_FILE).exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert kafka_local.stop(tmp_path) is False
+    assert kafka_local.status(tmp_path).running is False
+
+    # A restart on the same folder reuses its formatted storage (same cluster id).
+    try:
+        assert kafka_local.start(tmp_path, port=port, controller_port=controller_port) == bootstrap
+        assert (tmp_path / "kraft-logs" / "meta.properties").read_text() == cluster_id
+    finally:
+        assert kafka_local.stop(tmp_path) is True
