@@ -481,7 +481,7 @@ def _log_tail(data_dir: Path, lines: int = 30) -> str:
 
 async def _answers(bootstrap: str, timeout_s: float) -> bool:
     """One admin call: does the broker answer a metadata request listing itself?"""
-    from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
+    from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap,

@@ -410,12 +410,15 @@ class NamespaceIndex:
             self.pools.pop((store.backend, store.medium), None)
 
     def _place_target(self, target: Target, seq: int, ident: int) -> None:
-        if target[0] == "o":
-            owner = self._owner(target[1], target[2])
-            self._place_owner(owner, target[3], (seq,), (ident,))
+        kind, name, where, tier = target
+        if kind == "o":
+            assert isinstance(where, int)
+            owner = self._owner(name, where)
+            self._place_owner(owner, tier, (seq,), (ident,))
             self._retire_if_empty(owner)
         else:
-            store = self._pool(target[1], target[2], target[3])
+            assert isinstance(where, str)
+            store = self._pool(name, where, tier)
             self._place_pool(store, (seq,), (ident,))
 
     # ---------------------------------------------------- applying events
@@ -511,17 +514,15 @@ class NamespaceIndex:
             return len(seqs)
         pinned = 0
         for seq in seqs:
-            ident = self.content.get(seq)
-            if ident is None:
+            known = self.content.get(seq)
+            if known is None:
                 self.counters["intent_without_content"] += 1
             else:
-                self._pin(seq, ident)
+                self._pin(seq, known)
                 pinned += 1
         return pinned
 
-    def remove_owner(
-        self, instance: str, rank: int, tier: int, seqs: Iterable[int]
-    ) -> list[int]:
+    def remove_owner(self, instance: str, rank: int, tier: int, seqs: Iterable[int]) -> list[int]:
         """Remove blocks from an owner's tier; returns the hashes not found."""
         owner = self.owners.get(instance, {}).get(rank)
         if owner is not None:

@@ -70,7 +70,9 @@ def normalise_query_hash(value: int | str) -> int:
         raise InvalidQuery("a string seq_hash must be the hex of a digest") from exc
 
 
-def match(ns: NamespaceIndex, idents: Iterable[int], listed: int) -> dict[int, tuple[int, int, int]]:
+def match(
+    ns: NamespaceIndex, idents: Iterable[int], listed: int
+) -> dict[int, tuple[int, int, int]]:
     """Per listed owner slot: (GPU, CPU, DISK) matched lengths in blocks."""
     dev = ns.masks[DEVICE]
     host = ns.masks[HOST]

@@ -224,7 +224,11 @@ def test_listed_with_zeros_and_instance_filter() -> None:
     engine(ix, "b", BlockStored([7], None, [9, 9, 9, 9], BS))
     out = ask(ix)
     assert out["default"]["b"] == {  # type: ignore[index]
-        "longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {"0": 0},
+        "longest_matched": 0,
+        "GPU": 0,
+        "CPU": 0,
+        "DISK": 0,
+        "DP": {"0": 0},
     }
     assert list(ask(ix, instance_id="a")["default"]) == ["a"]  # type: ignore[call-overload]
     assert ask(ix, instance_id="zzz") == {}
@@ -308,7 +312,10 @@ def test_pool_removed_and_cleared_evict_pool_only() -> None:
     engine(ix, "a", stored(0, 2))
     engine(ix, "a", stored(2, 3, medium="CPU"))
     pool(ix, PoolEvent("stored", [seq(3), seq(4)], parent_hash=seq(2), token_ids=PROMPT[12:20]))
-    pool(ix, PoolEvent("stored", [seq(5)], parent_hash=seq(4), token_ids=PROMPT[20:24], medium="disk"))
+    pool(
+        ix,
+        PoolEvent("stored", [seq(5)], parent_hash=seq(4), token_ids=PROMPT[20:24], medium="disk"),
+    )
     assert hits(ix) == (8, 20, 24)
     pool(ix, PoolEvent("removed", [seq(4)], medium="cpu"))
     assert hits(ix) == (8, 16, 16)

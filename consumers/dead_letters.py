@@ -1,0 +1,88 @@
+"""The dead-letter topic: where records the index cannot take go, with why.
+
+A dead-lettered record keeps its key, value and headers untouched and gains
+`dlq-*` headers: the reason kind (a stable label), the reason text, where it
+came from (topic, partition, offset, record timestamp) and when it was
+dead-lettered, so `kvconductor dead-letters` can list and re-drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from kvconductor.metrics import Metrics
+
+DLQ_KIND = "dlq-kind"
+DLQ_REASON = "dlq-reason"
+DLQ_TOPIC = "dlq-source-topic"
+DLQ_PARTITION = "dlq-source-partition"
+DLQ_OFFSET = "dlq-source-offset"
+DLQ_TIMESTAMP = "dlq-source-timestamp"
+DLQ_TIME = "dlq-time"
+
+_MAX_REASON = 1000
+
+
+def dead_letter_headers(
+    original: Sequence[tuple[str, bytes]],
+    kind: str,
+    reason: str,
+    topic: str,
+    partition: int,
+    offset: int,
+    timestamp_ms: int,
+    now_ms: int | None = None,
+) -> list[tuple[str, bytes]]:
+    headers = [(k, v) for k, v in original if not k.startswith("dlq-")]
+    headers += [
+        (DLQ_KIND, kind.encode()),
+        (DLQ_REASON, reason[:_MAX_REASON].encode("utf-8", "replace")),
+        (DLQ_TOPIC, topic.encode()),
+        (DLQ_PARTITION, str(partition).encode()),
+        (DLQ_OFFSET, str(offset).encode()),
+        (DLQ_TIMESTAMP, str(timestamp_ms).encode()),
+        (DLQ_TIME, str(now_ms if now_ms is not None else int(time.time() * 1000)).encode()),
+    ]
+    return headers
+
+
+class DeadLetterWriter:
+    """Sends dead letters and waits for all of them before offsets move on."""
+
+    def __init__(self, producer: AIOKafkaProducer, topic: str, metrics: Metrics) -> None:
+        self._producer = producer
+        self._metrics = metrics
+        self._topic = topic
+        self._inflight: list[asyncio.Future[Any]] = []
+
+    async def send(
+        self,
+        record: Any,
+        kind: str,
+        reason: str,
+    ) -> None:
+        headers = dead_letter_headers(
+            list(record.headers or ()),
+            kind,
+            reason,
+            record.topic,
+            record.partition,
+            record.offset,
+            record.timestamp,
+        )
+        fut = await self._producer.send(
+            self._topic, value=record.value, key=record.key, headers=headers
+        )
+        self._inflight.append(fut)
+        self._metrics.dead_letters.labels(kind=kind).inc()
+
+    async def flush(self) -> None:
+        """Wait until every dead letter sent so far is acknowledged."""
+        if self._inflight:
+            inflight, self._inflight = self._inflight, []
+            await asyncio.gather(*inflight)

@@ -1,0 +1,197 @@
+"""The consumer of the engine and pool event topics.
+
+One `AIOKafkaConsumer` in the daemon's group reads both topics in batches
+(`getmany`). Each partition's records are applied through the core in order;
+a record the core rejects is dead-lettered and the offset moves on. The
+offsets of what has been applied are kept in `applied_offsets`: the daemon
+commits them (with or without a snapshot) only after the batch's dead letters
+are acknowledged, so a crash can repeat a batch but never skip one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+
+from consumers.dead_letters import DeadLetterWriter
+from kvconductor.core import Conductor
+from kvconductor.errors import BadRecord, DecodeError
+from kvconductor.metrics import Metrics
+
+log = structlog.get_logger("kvconductor.consumer")
+
+RebalanceHook = Callable[[set[TopicPartition]], Awaitable[None]]
+
+
+class RateLimitedLog:
+    """Logs a kind of problem at most once per interval, with the count skipped."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warn(self, kind: str, event: str, **fields: Any) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        suppressed = self._suppressed.pop(kind, 0)
+        log.warning(event, kind=kind, suppressed_since_last=suppressed, **fields)
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, owner: EventConsumer) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._owner._revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._owner._assigned(set(assigned))
+
+
+class EventConsumer:
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        conductor: Conductor,
+        metrics: Metrics,
+        dead_letters: DeadLetterWriter,
+        engine_topic: str,
+        pool_topic: str,
+        max_records: int,
+    ) -> None:
+        self.consumer = consumer
+        self.conductor = conductor
+        self.metrics = metrics
+        self.dead_letters = dead_letters
+        self.engine_topic = engine_topic
+        self.pool_topic = pool_topic
+        self.max_records = max_records
+        # Next offset to read per partition, for everything applied.
+        self.applied_offsets: dict[TopicPartition, int] = {}
+        # Where to start a partition when it is assigned (from a snapshot).
+        self.start_offsets: dict[TopicPartition, int] = {}
+        self.on_revoke: RebalanceHook | None = None
+        self.on_assign: RebalanceHook | None = None
+        self.caught_up = False
+        self.problems = RateLimitedLog()
+
+    def subscribe(self) -> None:
+        self.consumer.subscribe([self.engine_topic, self.pool_topic], listener=_Listener(self))
+
+    async def _revoked(self, revoked: set[TopicPartition]) -> None:
+        self.caught_up = False
+        if self.on_revoke is not None and revoked:
+            await self.on_revoke(revoked)
+        for tp in revoked:
+            self.applied_offsets.pop(tp, None)
+            self.metrics.forget_partition(tp.topic, tp.partition)
+
+    async def _assigned(self, assigned: set[TopicPartition]) -> None:
+        self.caught_up = False
+        if self.on_assign is not None and assigned:
+            await self.on_assign(assigned)
+        for tp in assigned:
+            start = self.start_offsets.get(tp)
+            if start is not None:
+                self.consumer.seek(tp, start)
+        log.info(
+            "partitions assigned", partitions=sorted(f"{t.topic}/{t.partition}" for t in assigned)
+        )
+
+    async def poll(self, timeout_ms: int) -> int:
+        """Fetch one batch and apply it; returns the records handled."""
+        batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
+        handled = 0
+        for tp, records in batch.items():
+            for record in records:
+                await self._apply(record)
+            if records:
+                self.applied_offsets[tp] = records[-1].offset + 1
+                handled += len(records)
+        await self.dead_letters.flush()
+        self._measure_lag()
+        if not self.caught_up:
+            self.caught_up = await self._is_caught_up()
+        return handled
+
+    async def _apply(self, record: Any) -> None:
+        topic = record.topic
+        metrics = self.metrics
+        metrics.records_consumed.labels(topic=topic).inc()
+        try:
+            if record.value is None:
+                raise DecodeError("record has no value")
+            if topic == self.pool_topic:
+                applied = self.conductor.ingest_pool_record(
+                    record.key, record.headers, record.value, record.timestamp / 1000.0
+                )
+            else:
+                applied = self.conductor.ingest_engine_record(
+                    record.key, record.headers, record.value, record.timestamp / 1000.0
+                )
+        except BadRecord as exc:
+            await self._dead_letter(record, exc.kind, exc.reason)
+            return
+        except Exception as exc:  # a bug in the core must not stop the daemon
+            log.exception("internal error applying a record", topic=topic, offset=record.offset)
+            await self._dead_letter(record, "internal_error", f"{type(exc).__name__}: {exc}")
+            return
+        if applied.seq_missing:
+            metrics.observe_seq(applied.seq_missing)
+            key = record.key.decode("utf-8", "replace") if record.key else ""
+            self.problems.warn(
+                f"gap:{key}",
+                "kv-seq gap: messages missing from the engine's stream",
+                instance=key,
+                missing=applied.seq_missing,
+                topic=topic,
+                partition=record.partition,
+                offset=record.offset,
+            )
+
+    async def _dead_letter(self, record: Any, kind: str, reason: str) -> None:
+        self.metrics.bad_records.labels(topic=record.topic, kind=kind).inc()
+        self.problems.warn(
+            kind,
+            "record dead-lettered",
+            reason=reason,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+        )
+        await self.dead_letters.send(record, kind, reason)
+
+    def _measure_lag(self) -> None:
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            pos = self.applied_offsets.get(tp)
+            if high is not None and pos is not None:
+                self.metrics.set_lag(tp.topic, tp.partition, high - pos)
+
+    async def _is_caught_up(self) -> bool:
+        assigned = self.consumer.assignment()
+        if not assigned:
+            return False
+        ends = await self.consumer.end_offsets(list(assigned))
+        for tp in assigned:
+            if await self.consumer.position(tp) < ends[tp]:
+                return False
+        return True
+
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        """Commit applied offsets to the group (the no-snapshot mode)."""
+        offsets = self.applied_offsets if offsets is None else offsets
+        assigned = self.consumer.assignment()
+        mine = {tp: OffsetAndMetadata(o, "") for tp, o in offsets.items() if tp in assigned}
+        if mine:
+            await self.consumer.commit(mine)

@@ -1,0 +1,144 @@
+"""The index core's public API: records in, answers out.
+
+    conductor = Conductor()
+    conductor.ingest_engine_record(b"vllm-0", headers, payload, timestamp_s)
+    conductor.ingest_pool_record(b"mooncake-0", headers, payload, timestamp_s)
+    conductor.query(TokenQuery(model="m", block_size=16, token_ids=[...]))
+
+A record either applies whole or raises `BadRecord` (nothing applied).
+Time is whatever the caller passes (the Kafka record timestamp in the
+daemon), so replaying the same records gives the same index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple
+
+from consumers.engine_wire import decode_engine_payload
+from consumers.pool_wire import decode_pool_payload
+from kvconductor.errors import InvalidHeader
+from kvconductor.index import Index, IndexLimits
+from kvconductor.media import DEVICE, DISK, HOST
+from kvconductor.namespace_index import NamespaceKey
+from kvconductor.pending import INTENT, UNRESOLVED, WAITING
+from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
+from kvconductor.records import Headers, engine_meta, pool_meta
+
+
+class Applied(NamedTuple):
+    blocks: int  # blocks placed, removed or cleared by the record
+    seq_missing: int  # messages missing before this one by `kv-seq` (0: none)
+
+
+def _key_text(key: bytes | str | None, what: str) -> str:
+    if key is None:
+        raise InvalidHeader(f"record has no key ({what} id)")
+    if isinstance(key, str):
+        return key
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidHeader(f"record key ({what} id) is not valid UTF-8") from exc
+
+
+class Conductor:
+    def __init__(self, limits: IndexLimits | None = None) -> None:
+        self.index = Index(limits)
+
+    # ------------------------------------------------------------ ingest
+
+    def ingest_engine_record(
+        self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
+    ) -> Applied:
+        instance = _key_text(key, "instance")
+        meta = engine_meta(headers)
+        batch = decode_engine_payload(payload, meta.source)
+        blocks = self.index.apply_engine(instance, meta, batch, now)
+        rank = batch.dp_rank if batch.dp_rank is not None else meta.dp_rank
+        missing = self.index.check_seq(instance, rank, meta.seq)
+        return Applied(blocks, missing)
+
+    def ingest_pool_record(
+        self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
+    ) -> Applied:
+        backend = _key_text(key, "backend")
+        meta = pool_meta(headers)
+        batch = decode_pool_payload(payload)
+        return Applied(self.index.apply_pool(backend, meta, batch, now), 0)
+
+    def expire(self, now: float) -> None:
+        self.index.expire(now)
+
+    def remove_instance(self, instance: str) -> bool:
+        return self.index.remove_instance(instance)
+
+    # ----------------------------------------------------------- queries
+
+    def query(self, req: TokenQuery) -> QueryResponse:
+        return self.index.query(req)
+
+    def query_by_hash(self, req: HashQuery) -> QueryResponse:
+        return self.index.query(req)
+
+    # ----------------------------------------------------------- reading
+
+    @property
+    def counters(self) -> Counter[str]:
+        """Everything skipped, dropped or noticed, by name."""
+        return self.index.counters
+
+    @property
+    def applied(self) -> Counter[tuple[str, str]]:
+        """Blocks applied by (source, tier): tiers GPU, CPU, DISK, intent."""
+        return self.index.applied
+
+    def pending(self) -> dict[str, int]:
+        """Pending two-phase halves across namespaces, by kind."""
+        out = {"waiting": 0, "unresolved": 0, "intents": 0}
+        for ns in self.index.namespaces.values():
+            by_kind = ns.pending.by_kind
+            out["waiting"] += by_kind[WAITING]
+            out["unresolved"] += by_kind[UNRESOLVED]
+            out["intents"] += by_kind[INTENT]
+        return out
+
+    def workers(self) -> list[dict[str, object]]:
+        """Instances, ranks and per-tier block counts per namespace."""
+        out: list[dict[str, object]] = []
+        for key in sorted(self.index.namespaces, key=_ns_sort_key):
+            ns = self.index.namespaces[key]
+            instances: dict[str, dict[str, object]] = {}
+            for instance in sorted(ns.owners):
+                ranks = ns.owners[instance]
+                instances[instance] = {
+                    str(rank): {
+                        "GPU": len(o.tiers[DEVICE]),
+                        "CPU": len(o.tiers[HOST]),
+                        "DISK": len(o.tiers[DISK]),
+                    }
+                    for rank, o in sorted(ranks.items())
+                }
+            pools: dict[str, dict[str, int]] = {}
+            for (backend, medium), store in sorted(ns.pools.items()):
+                pools.setdefault(backend, {})[medium] = len(store.blocks)
+            out.append(
+                {
+                    "tenant": key.tenant,
+                    "model": key.model,
+                    "block_size": key.block_size,
+                    "lora_name": key.lora_name,
+                    "salt": key.salt,
+                    "instances": instances,
+                    "pools": pools,
+                    "last_event_ts": ns.now,
+                }
+            )
+        return out
+
+    def is_empty(self) -> bool:
+        return self.index.is_empty()
+
+
+def _ns_sort_key(key: NamespaceKey) -> tuple[str, str, int, str, str]:
+    return (key.tenant, key.model, key.block_size, key.lora_name or "", key.salt)

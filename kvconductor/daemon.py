@@ -1,0 +1,403 @@
+"""The daemon: Kafka in, index in memory, HTTP out, snapshots for durability.
+
+Start-up: serve HTTP (health now, ready later), create or check the topics,
+restore the index from the snapshot topic, then consume the engine and pool
+topics in one consumer group, starting each partition at the offset the
+restored snapshot reflects (or its beginning when none does). Every
+`snapshot.interval_s` the changed units and the applied offsets go out as
+one transaction, which also commits the group's offsets; so a restart
+resumes exactly where the state it restores left off. With snapshots
+disabled the daemon rebuilds from the beginning of the topics each start
+and commits offsets only so that lag tools can see progress.
+
+Everything here moves bytes and time; the index logic is in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError, ProducerFenced
+
+from consumers.dead_letters import DeadLetterWriter
+from consumers.event_consumer import EventConsumer
+from consumers.topics import TopicSpec, ensure_topics
+from kvconductor.config import Config, kafka_client_options, reveal
+from kvconductor.core import Conductor
+from kvconductor.http_api import make_app
+from kvconductor.metrics import Metrics
+from kvconductor.snapshot_store import SnapshotPublisher, read_snapshot
+from kvconductor.snapshots import restore
+
+log = structlog.get_logger("kvconductor.daemon")
+
+EXPIRE_EVERY_S = 1.0
+POLL_TIMEOUT_MS = 200
+
+
+class FatalError(RuntimeError):
+    """Stops the daemon with one clear line (fenced producer, bad topic)."""
+
+
+def topic_specs(cfg: Config) -> list[TopicSpec]:
+    k = cfg.kafka
+    compacted = {
+        "cleanup.policy": "compact",
+        "min.cleanable.dirty.ratio": "0.1",
+        "segment.ms": str(10 * 60 * 1000),
+    }
+    return [
+        TopicSpec(k.engine_topic, k.partitions, k.replication_factor, {}, {}),
+        TopicSpec(k.pool_topic, k.partitions, k.replication_factor, {}, {}),
+        TopicSpec(k.dead_letter_topic, 1, k.replication_factor, {}, {}),
+        TopicSpec(
+            k.snapshot_topic,
+            1,
+            k.replication_factor,
+            compacted,
+            {"cleanup.policy": "compact"},
+        ),
+    ]
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.conductor = Conductor(cfg.index)
+        self.metrics = Metrics(self.conductor)
+        self.stopping = asyncio.Event()
+        self.status = "starting"
+        self.http_port: int | None = None
+        self.events: EventConsumer | None = None
+        self.publisher: SnapshotPublisher | None = None
+        self._runner: web.AppRunner | None = None
+        self._kafka_ok = True
+        self._snapshot_offsets: dict[TopicPartition, int] = {}
+        self._last_published: dict[TopicPartition, int] = {}
+
+    # ---------------------------------------------------------- readiness
+
+    def ready(self) -> tuple[bool, str]:
+        if self.status != "running":
+            return False, self.status
+        if not self._kafka_ok:
+            return False, "kafka unavailable"
+        events = self.events
+        if events is None or not events.consumer.assignment():
+            return False, "waiting for partition assignment"
+        if not events.caught_up:
+            return False, "catching up"
+        return True, "ready"
+
+    # ------------------------------------------------------------- phases
+
+    async def start_http(self) -> None:
+        http = self.cfg.http
+        app = make_app(
+            self.conductor,
+            self.metrics,
+            ready=self.ready,
+            max_body_bytes=http.max_body_bytes,
+            auth_token=reveal(http.auth_token),
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, http.host, http.port)
+        await site.start()
+        server: Any = site._server
+        self.http_port = server.sockets[0].getsockname()[1]
+        log.info("http listening", host=http.host, port=self.http_port)
+
+    async def _with_backoff(self, what: str, attempt: Any) -> Any:
+        delay = 0.5
+        while True:
+            try:
+                return await attempt()
+            except FatalError:
+                raise
+            except (KafkaError, OSError) as exc:
+                self._kafka_ok = False
+                self.status = f"{what}: kafka unavailable"
+                log.warning(
+                    "kafka unavailable, retrying", step=what, error=str(exc), retry_in_s=delay
+                )
+            if self.stopping.is_set():
+                raise asyncio.CancelledError
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            delay = min(delay * 2, 10.0)
+
+    async def _start_client(self, what: str, make: Any) -> Any:
+        """Start a fresh Kafka client, retrying with a new one until it starts."""
+
+        async def attempt() -> Any:
+            client = make()
+            try:
+                await client.start()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await client.stop()
+                raise
+            return client
+
+        return await self._with_backoff(what, attempt)
+
+    async def prepare_topics(self) -> None:
+        opts = kafka_client_options(self.cfg.kafka)
+
+        async def attempt() -> None:
+            admin = AIOKafkaAdminClient(
+                bootstrap_servers=self.cfg.kafka.bootstrap_servers,
+                client_id=self.cfg.kafka.client_id,
+                **opts,
+            )
+            await admin.start()
+            try:
+                created = await ensure_topics(admin, topic_specs(self.cfg))
+            except RuntimeError as exc:
+                raise FatalError(str(exc)) from exc
+            finally:
+                await admin.close()
+            if created:
+                log.info("topics created", topics=created)
+
+        self.status = "creating topics"
+        await self._with_backoff("creating topics", attempt)
+        self._kafka_ok = True
+
+    async def restore_snapshot(self) -> None:
+        k = self.cfg.kafka
+        self.status = "restoring snapshot"
+
+        async def attempt() -> Any:
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=k.bootstrap_servers,
+                client_id=f"{k.client_id}-restore",
+                group_id=None,
+                enable_auto_commit=False,
+                isolation_level="read_committed",
+                fetch_max_wait_ms=50,
+                **kafka_client_options(k),
+            )
+            await consumer.start()
+            try:
+                return await read_snapshot(consumer, k.snapshot_topic)
+            finally:
+                await consumer.stop()
+
+        read = await self._with_backoff("restoring snapshot", attempt)
+        self._kafka_ok = True
+        restore(self.conductor.index, read.units)
+        self._snapshot_offsets = dict(read.offsets)
+        self._last_published = dict(read.offsets)
+        if self.publisher is not None:
+            self.publisher.adopt(read)
+        log.info(
+            "snapshot restored",
+            generation=read.generation,
+            units=len(read.units),
+            records=read.records,
+            bytes=read.bytes,
+            seconds=round(read.seconds, 3),
+            partitions=len(read.offsets),
+        )
+
+    async def _on_assign(self, assigned: set[TopicPartition]) -> None:
+        events = self.events
+        assert events is not None
+        consumer = events.consumer
+        starts = {tp: self._snapshot_offsets.get(tp) for tp in assigned}
+        beginnings = await consumer.beginning_offsets(list(assigned))
+        for tp, start in starts.items():
+            first = beginnings[tp]
+            if start is None:
+                await consumer.seek_to_beginning(tp)
+                continue
+            if start < first:
+                log.error(
+                    "the snapshot's offset was deleted by retention: records between were "
+                    "never applied; rebuilding from the oldest record that exists",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    snapshot_offset=start,
+                    oldest_offset=first,
+                    lost=first - start,
+                )
+                self.conductor.counters["offsets_lost_to_retention"] += first - start
+                start = first
+            consumer.seek(tp, start)
+
+    async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
+        # Hand over what was applied before another daemon takes the partitions.
+        await self.checkpoint(force=True)
+
+    async def checkpoint(self, force: bool = False) -> None:
+        events = self.events
+        if events is None:
+            return
+        offsets = dict(events.applied_offsets)
+        if self.publisher is None:
+            if offsets != self._last_published:
+                await events.commit(offsets)
+                self._last_published = offsets
+            return
+        index = self.conductor.index
+        changed = offsets != self._last_published or index.dirty.owners or index.dirty.pools
+        if not (changed or force):
+            return
+        try:
+            stats = await self.publisher.publish(index, offsets)
+        except ProducerFenced as exc:
+            raise FatalError(
+                "another daemon took over this transactional id (kafka.client_id must be "
+                "unique per daemon): stopping"
+            ) from exc
+        self._last_published = offsets
+        self._snapshot_offsets.update(offsets)
+        log.info(
+            "snapshot published",
+            generation=stats.generation,
+            units=stats.units,
+            tombstones=stats.tombstones,
+            bytes=stats.bytes,
+            seconds=round(stats.seconds, 3),
+        )
+
+    async def run(self) -> None:
+        """Run until `stop()`; raises FatalError for conditions that need a human."""
+        k = self.cfg.kafka
+        opts = kafka_client_options(k)
+        await self.start_http()
+        producer: AIOKafkaProducer | None = None
+        snap_producer: AIOKafkaProducer | None = None
+        consumer: AIOKafkaConsumer | None = None
+        try:
+            await self.prepare_topics()
+            if self.cfg.snapshot.enabled:
+                snap_producer = await self._start_client(
+                    "starting snapshot producer",
+                    lambda: AIOKafkaProducer(
+                        bootstrap_servers=k.bootstrap_servers,
+                        client_id=f"{k.client_id}-snapshot",
+                        transactional_id=f"{k.group_id}-{k.client_id}",
+                        enable_idempotence=True,
+                        max_request_size=2 * 1024 * 1024,
+                        **opts,
+                    ),
+                )
+                self.publisher = SnapshotPublisher(snap_producer, k.snapshot_topic, k.group_id)
+                await self.restore_snapshot()
+            producer = await self._start_client(
+                "starting dead-letter producer",
+                lambda: AIOKafkaProducer(
+                    bootstrap_servers=k.bootstrap_servers,
+                    client_id=f"{k.client_id}-dlq",
+                    acks="all",
+                    enable_idempotence=True,
+                    **opts,
+                ),
+            )
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=k.bootstrap_servers,
+                client_id=k.client_id,
+                group_id=k.group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                isolation_level="read_committed",
+                max_partition_fetch_bytes=4 * 1024 * 1024,
+                **opts,
+            )
+            # The broker answered the admin client moments ago: a consumer
+            # that fails to start now is a real error, not an outage.
+            self.events = EventConsumer(
+                consumer,
+                self.conductor,
+                self.metrics,
+                DeadLetterWriter(producer, k.dead_letter_topic, self.metrics),
+                k.engine_topic,
+                k.pool_topic,
+                k.fetch_max_records,
+            )
+            self.events.on_assign = self._on_assign
+            self.events.on_revoke = self._on_revoke
+            await consumer.start()
+            self.events.subscribe()
+            self._kafka_ok = True
+            self.status = "running"
+            await self._loop()
+            await self.checkpoint()
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                raise
+        finally:
+            self.status = "stopping"
+            for client in (consumer, producer, snap_producer):
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        await client.stop()
+            if self._runner is not None:
+                await self._runner.cleanup()
+            log.info("stopped")
+
+    async def _loop(self) -> None:
+        events = self.events
+        assert events is not None
+        interval = self.cfg.snapshot.interval_s
+        last_expire = last_checkpoint = time.monotonic()
+        while not self.stopping.is_set():
+            try:
+                await events.poll(POLL_TIMEOUT_MS)
+                self._kafka_ok = True
+            except KafkaError as exc:
+                self._kafka_ok = False
+                log.warning("kafka error while consuming; retrying", error=str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            now = time.monotonic()
+            if now - last_expire >= EXPIRE_EVERY_S:
+                self.conductor.expire(self.conductor.index.now)
+                last_expire = now
+            if now - last_checkpoint >= interval:
+                try:
+                    await self.checkpoint()
+                    last_checkpoint = now
+                except KafkaError as exc:
+                    self._kafka_ok = False
+                    log.warning("snapshot failed; retrying next interval", error=str(exc))
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+
+async def run_daemon(cfg: Config) -> int:
+    """The `kvconductor run` entry: signals, then the daemon until stopped."""
+    daemon = Daemon(cfg)
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: exiting at once")
+            os._exit(130)
+        log.info("signal received: finishing the batch in hand, committing, closing")
+        daemon.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await daemon.run()
+    except FatalError as exc:
+        log.error(str(exc))
+        return 1
+    return 0
