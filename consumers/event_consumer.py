@@ -146,6 +146,14 @@ class EventConsumer:
             log.exception("internal error applying a record", topic=topic, offset=record.offset)
             await self._dead_letter(record, "internal_error", f"{type(exc).__name__}: {exc}")
             return
+        if applied.resync:
+            key = record.key.decode("utf-8", "replace") if record.key else ""
+            log.warning(
+                "instance resynchronised: its stream had an unfillable gap, stale blocks cleared",
+                instance=key,
+                headers={k: v.decode("utf-8", "replace") for k, v in record.headers or ()},
+                blocks_cleared=applied.blocks,
+            )
         if applied.seq_missing:
             metrics.observe_seq(applied.seq_missing)
             key = record.key.decode("utf-8", "replace") if record.key else ""

@@ -23,12 +23,13 @@ from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceKey
 from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
-from kvconductor.records import Headers, engine_meta, pool_meta
+from kvconductor.records import Headers, control_meta, engine_meta, pool_meta
 
 
 class Applied(NamedTuple):
     blocks: int  # blocks placed, removed or cleared by the record
     seq_missing: int  # messages missing before this one by `kv-seq` (0: none)
+    resync: bool = False  # a bridge's resync control record was applied
 
 
 def _key_text(key: bytes | str | None, what: str) -> str:
@@ -52,6 +53,9 @@ class Conductor:
         self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
     ) -> Applied:
         instance = _key_text(key, "instance")
+        control = control_meta(headers)
+        if control is not None:
+            return Applied(self.index.resync(instance, control.dp_rank), 0, True)
         meta = engine_meta(headers)
         batch = decode_engine_payload(payload, meta.source)
         blocks = self.index.apply_engine(instance, meta, batch, now)
@@ -63,6 +67,8 @@ class Conductor:
         self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
     ) -> Applied:
         backend = _key_text(key, "backend")
+        if control_meta(headers) is not None:
+            return Applied(self.index.pool_resync(backend), 0, True)
         meta = pool_meta(headers)
         batch = decode_pool_payload(payload)
         return Applied(self.index.apply_pool(backend, meta, batch, now), 0)

@@ -242,6 +242,42 @@ class Index:
             self.counters["removal_unknown"] += len(missing)
         return len(ev.block_hashes) - len(missing)
 
+    def resync(self, instance: str, rank: int | None) -> int:
+        """Forget what an instance (one rank, or all) holds: its stream had a
+        gap nobody could fill, so its indexed state may be stale. Its next
+        events rebuild it; until then routers see it as cold, never as warm
+        on blocks it may have lost."""
+        state = self.instances.get(instance)
+        if state is None:
+            return 0
+        self.dirty.instances.add(instance)
+        cleared = 0
+        for key in list(state.namespaces):
+            ns = self.namespaces.get(key)
+            if ns is None:
+                continue
+            ranks = list(ns.owners.get(instance, {})) if rank is None else [rank]
+            for r in ranks:
+                cleared += ns.clear_owner(instance, r)
+            self._gc(ns)
+        # The publisher's numbering restarts (or jumps): take the next as is.
+        if rank is None:
+            state.last_seq.clear()
+        else:
+            state.last_seq.pop(rank, None)
+        self.counters["resyncs"] += 1
+        return cleared
+
+    def pool_resync(self, backend: str) -> int:
+        """A pool backend's stream had an unfillable gap: forget its blocks."""
+        cleared = 0
+        for ns in list(self.namespaces.values()):
+            if any(b == backend for b, _ in ns.pools):
+                cleared += ns.pool_clear(backend, None)
+                self._gc(ns)
+        self.counters["resyncs"] += 1
+        return cleared
+
     def remove_instance(self, instance: str) -> bool:
         """Forget an instance entirely: all its tiers, pending halves, state."""
         state = self.instances.pop(instance, None)

@@ -24,6 +24,35 @@ class EngineMeta(NamedTuple):
     offload_pool: bool
 
 
+class ControlMeta(NamedTuple):
+    """A bridge's control record on the engine topic (`kv-control` header).
+
+    `resync`: the bridge lost messages it could not replay (publisher
+    restarted, replay buffer overrun, no replay endpoint), so the instance's
+    indexed state can no longer be trusted. `dp_rank` None means every rank."""
+
+    action: str
+    dp_rank: int | None
+    reason: str
+
+
+CONTROL_ACTIONS = frozenset({"resync"})
+
+
+def control_meta(headers: Headers) -> ControlMeta | None:
+    h = _decode_headers(headers)
+    action = h.get("kv-control")
+    if action is None:
+        return None
+    if action not in CONTROL_ACTIONS:
+        raise InvalidHeader(f"header kv-control must be one of {sorted(CONTROL_ACTIONS)}")
+    return ControlMeta(
+        action,
+        _int(h, "kv-dp-rank", 0, _MAX_RANK),
+        h.get("kv-control-reason", ""),
+    )
+
+
 class PoolMeta(NamedTuple):
     """Namespace defaults for pool events that leave a field out."""
 
