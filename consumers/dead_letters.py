@@ -66,18 +66,24 @@ class DeadLetterWriter:
         kind: str,
         reason: str,
     ) -> None:
+        original = list(record.headers or ())
+        # A repartitioned record (scale-out mode) is reported, and re-driven,
+        # as the input record it came from.
+        origin = {k: v for k, v in original if k.startswith("kv-origin-") or k == "kv-kind"}
+        topic = record.topic
+        partition = record.partition
+        offset = record.offset
+        key = record.key
+        if "kv-origin-topic" in origin:
+            topic = origin["kv-origin-topic"].decode()
+            partition = int(origin["kv-origin-partition"])
+            offset = int(origin["kv-origin-offset"])
+            key = origin.get("kv-origin-key")
+            original = [(k, v) for k, v in original if k not in origin]
         headers = dead_letter_headers(
-            list(record.headers or ()),
-            kind,
-            reason,
-            record.topic,
-            record.partition,
-            record.offset,
-            record.timestamp,
+            original, kind, reason, topic, partition, offset, record.timestamp
         )
-        fut = await self._producer.send(
-            self._topic, value=record.value, key=record.key, headers=headers
-        )
+        fut = await self._producer.send(self._topic, value=record.value, key=key, headers=headers)
         self._inflight.append(fut)
         self._metrics.dead_letters.labels(kind=kind).inc()
 

@@ -10,6 +10,7 @@ are acknowledged, so a crash can repeat a batch but never skip one.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -19,6 +20,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from consumers.dead_letters import DeadLetterWriter
+from consumers.repartitioner import KIND, ORIGIN_KEY
 from kvconductor.core import Conductor
 from kvconductor.errors import BadRecord, DecodeError
 from kvconductor.metrics import Metrics
@@ -68,6 +70,7 @@ class EventConsumer:
         engine_topic: str,
         pool_topic: str,
         max_records: int,
+        internal_topic: str | None = None,
     ) -> None:
         self.consumer = consumer
         self.conductor = conductor
@@ -76,34 +79,46 @@ class EventConsumer:
         self.engine_topic = engine_topic
         self.pool_topic = pool_topic
         self.max_records = max_records
+        # Scale-out mode: read only the repartitioned topic (see repartitioner).
+        self.internal_topic = internal_topic
         # Next offset to read per partition, for everything applied.
         self.applied_offsets: dict[TopicPartition, int] = {}
-        # Where to start a partition when it is assigned (from a snapshot).
-        self.start_offsets: dict[TopicPartition, int] = {}
+        # Called under `lock`; on_assign must position every assigned partition.
         self.on_revoke: RebalanceHook | None = None
         self.on_assign: RebalanceHook | None = None
         self.caught_up = False
         self.problems = RateLimitedLog()
+        # aiokafka runs rebalance callbacks in its coordinator task, so they
+        # can fire while a fetched batch is half applied. Applying a batch,
+        # the rebalance hooks and checkpoints all hold this lock, and a batch
+        # fetched before a rebalance is dropped (the hooks' seeks re-deliver it).
+        self.lock = asyncio.Lock()
+        self.epoch = 0
 
     def subscribe(self) -> None:
-        self.consumer.subscribe([self.engine_topic, self.pool_topic], listener=_Listener(self))
+        topics = (
+            [self.internal_topic]
+            if self.internal_topic is not None
+            else [self.engine_topic, self.pool_topic]
+        )
+        self.consumer.subscribe(topics, listener=_Listener(self))
 
     async def _revoked(self, revoked: set[TopicPartition]) -> None:
-        self.caught_up = False
-        if self.on_revoke is not None and revoked:
-            await self.on_revoke(revoked)
-        for tp in revoked:
-            self.applied_offsets.pop(tp, None)
-            self.metrics.forget_partition(tp.topic, tp.partition)
+        async with self.lock:
+            self.epoch += 1
+            self.caught_up = False
+            if self.on_revoke is not None and revoked:
+                await self.on_revoke(revoked)
+            for tp in revoked:
+                self.applied_offsets.pop(tp, None)
+                self.metrics.forget_partition(tp.topic, tp.partition)
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
-        self.caught_up = False
-        if self.on_assign is not None and assigned:
-            await self.on_assign(assigned)
-        for tp in assigned:
-            start = self.start_offsets.get(tp)
-            if start is not None:
-                self.consumer.seek(tp, start)
+        async with self.lock:
+            self.epoch += 1
+            self.caught_up = False
+            if self.on_assign is not None and assigned:
+                await self.on_assign(assigned)
         log.info(
             "partitions assigned", partitions=sorted(f"{t.topic}/{t.partition}" for t in assigned)
         )
@@ -111,14 +126,18 @@ class EventConsumer:
     async def poll(self, timeout_ms: int) -> int:
         """Fetch one batch and apply it; returns the records handled."""
         batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
+        epoch = self.epoch
         handled = 0
-        for tp, records in batch.items():
-            for record in records:
-                await self._apply(record)
-            if records:
-                self.applied_offsets[tp] = records[-1].offset + 1
-                handled += len(records)
-        await self.dead_letters.flush()
+        async with self.lock:
+            if epoch != self.epoch:
+                return 0
+            for tp, records in batch.items():
+                for record in records:
+                    await self._apply(record)
+                if records:
+                    self.applied_offsets[tp] = records[-1].offset + 1
+                    handled += len(records)
+            await self.dead_letters.flush()
         self._measure_lag()
         if not self.caught_up:
             self.caught_up = await self._is_caught_up()
@@ -128,16 +147,22 @@ class EventConsumer:
         topic = record.topic
         metrics = self.metrics
         metrics.records_consumed.labels(topic=topic).inc()
+        key = record.key
+        is_pool = topic == self.pool_topic
+        if topic == self.internal_topic:
+            h = dict(record.headers or ())
+            is_pool = h.get(KIND) == b"pool"
+            key = h.get(ORIGIN_KEY)
         try:
             if record.value is None:
                 raise DecodeError("record has no value")
-            if topic == self.pool_topic:
+            if is_pool:
                 applied = self.conductor.ingest_pool_record(
-                    record.key, record.headers, record.value, record.timestamp / 1000.0
+                    key, record.headers, record.value, record.timestamp / 1000.0
                 )
             else:
                 applied = self.conductor.ingest_engine_record(
-                    record.key, record.headers, record.value, record.timestamp / 1000.0
+                    key, record.headers, record.value, record.timestamp / 1000.0
                 )
         except BadRecord as exc:
             await self._dead_letter(record, exc.kind, exc.reason)
@@ -146,21 +171,20 @@ class EventConsumer:
             log.exception("internal error applying a record", topic=topic, offset=record.offset)
             await self._dead_letter(record, "internal_error", f"{type(exc).__name__}: {exc}")
             return
+        instance = key.decode("utf-8", "replace") if key else ""
         if applied.resync:
-            key = record.key.decode("utf-8", "replace") if record.key else ""
             log.warning(
                 "instance resynchronised: its stream had an unfillable gap, stale blocks cleared",
-                instance=key,
+                instance=instance,
                 headers={k: v.decode("utf-8", "replace") for k, v in record.headers or ()},
                 blocks_cleared=applied.blocks,
             )
         if applied.seq_missing:
             metrics.observe_seq(applied.seq_missing)
-            key = record.key.decode("utf-8", "replace") if record.key else ""
             self.problems.warn(
-                f"gap:{key}",
+                f"gap:{instance}",
                 "kv-seq gap: messages missing from the engine's stream",
-                instance=key,
+                instance=instance,
                 missing=applied.seq_missing,
                 topic=topic,
                 partition=record.partition,

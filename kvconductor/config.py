@@ -109,6 +109,9 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     ssl_password: Secret | None = None
     ssl_password_file: str | None = None
     fetch_max_records: int = 2000
+    # Scale-out: several daemons in one group share the work by namespace.
+    repartition: bool = False
+    repartition_topic: str = "kv-index-input"
 
 
 # 16 MiB: a JSON array of token ids costs at most 11 bytes a token (10 digits
@@ -439,7 +442,13 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
             f"expected comma-separated host:port pairs, got {k.bootstrap_servers!r}",
         )
     topics: dict[str, str] = {}
-    for key in ("engine_topic", "pool_topic", "snapshot_topic", "dead_letter_topic"):
+    for key in (
+        "engine_topic",
+        "pool_topic",
+        "snapshot_topic",
+        "dead_letter_topic",
+        "repartition_topic",
+    ):
         topic = getattr(k, key)
         if not _TOPIC.fullmatch(topic) or topic in (".", ".."):
             raise fail("kafka", key, f"not a valid Kafka topic name: {topic!r}")

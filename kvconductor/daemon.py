@@ -10,6 +10,13 @@ resumes exactly where the state it restores left off. With snapshots
 disabled the daemon rebuilds from the beginning of the topics each start
 and commits offsets only so that lag tools can see progress.
 
+Scale-out (`kafka.repartition`): each daemon also runs stage one, which
+re-keys every record by namespace group onto the internal topic, and the
+index loop reads that topic instead. A daemon then holds the namespaces of
+its internal partitions: on assignment it restores just their units and
+seeks to their offsets; on revocation it publishes a final generation and
+forgets them, so the next owner starts exactly where it stopped.
+
 Everything here moves bytes and time; the index logic is in the core.
 """
 
@@ -30,13 +37,16 @@ from aiokafka.errors import KafkaError, ProducerFenced
 
 from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
+from consumers.repartitioner import Repartitioner
+from consumers.routing import group_key, group_partition
 from consumers.topics import TopicSpec, ensure_topics
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.metrics import Metrics
-from kvconductor.snapshot_store import SnapshotPublisher, read_snapshot
-from kvconductor.snapshots import restore
+from kvconductor.namespace_index import NamespaceKey
+from kvconductor.snapshot_store import SnapshotPublisher, SnapshotRead, read_snapshot
+from kvconductor.snapshots import UnitKey, drop_namespaces, restore, unit_namespace
 
 log = structlog.get_logger("kvconductor.daemon")
 
@@ -55,7 +65,13 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
         "min.cleanable.dirty.ratio": "0.1",
         "segment.ms": str(10 * 60 * 1000),
     }
+    internal = (
+        [TopicSpec(k.repartition_topic, k.partitions, k.replication_factor, {}, {})]
+        if k.repartition
+        else []
+    )
     return [
+        *internal,
         TopicSpec(k.engine_topic, k.partitions, k.replication_factor, {}, {}),
         TopicSpec(k.pool_topic, k.partitions, k.replication_factor, {}, {}),
         TopicSpec(k.dead_letter_topic, 1, k.replication_factor, {}, {}),
@@ -81,8 +97,14 @@ class Daemon:
         self.publisher: SnapshotPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._kafka_ok = True
-        self._snapshot_offsets: dict[TopicPartition, int] = {}
+        # Per partition, the next offset the in-memory state has not applied:
+        # where a (re)assigned partition resumes.
+        self._state_offsets: dict[TopicPartition, int] = {}
         self._last_published: dict[TopicPartition, int] = {}
+        self.repartitioner: Repartitioner | None = None
+        # Scale-out: internal partitions whose namespaces this daemon holds.
+        self._owned: set[int] = set()
+        self._internal_partitions = 0
 
     # ---------------------------------------------------------- readiness
 
@@ -174,9 +196,8 @@ class Daemon:
         await self._with_backoff("creating topics", attempt)
         self._kafka_ok = True
 
-    async def restore_snapshot(self) -> None:
+    async def read_snapshot(self) -> SnapshotRead:
         k = self.cfg.kafka
-        self.status = "restoring snapshot"
 
         async def attempt() -> Any:
             consumer = AIOKafkaConsumer(
@@ -194,10 +215,15 @@ class Daemon:
             finally:
                 await consumer.stop()
 
-        read = await self._with_backoff("restoring snapshot", attempt)
+        read: SnapshotRead = await self._with_backoff("restoring snapshot", attempt)
         self._kafka_ok = True
+        return read
+
+    async def restore_snapshot(self) -> None:
+        self.status = "restoring snapshot"
+        read = await self.read_snapshot()
         restore(self.conductor.index, read.units)
-        self._snapshot_offsets = dict(read.offsets)
+        self._state_offsets = dict(read.offsets)
         self._last_published = dict(read.offsets)
         if self.publisher is not None:
             self.publisher.adopt(read)
@@ -211,11 +237,52 @@ class Daemon:
             partitions=len(read.offsets),
         )
 
+    def _owns(self, partitions: set[int]) -> Any:
+        n = self._internal_partitions
+
+        def owns(ns: NamespaceKey) -> bool:
+            key = group_key(ns.tenant, ns.model, ns.block_size, ns.salt)
+            return group_partition(key, n) in partitions
+
+        return owns
+
+    async def _take_over(self, assigned: set[TopicPartition]) -> None:
+        """Scale-out: load the units of newly assigned internal partitions."""
+        events = self.events
+        assert events is not None
+        internal = self.cfg.kafka.repartition_topic
+        parts = events.consumer.partitions_for_topic(internal) or set()
+        self._internal_partitions = len(parts)
+        gained = {tp.partition for tp in assigned if tp.topic == internal} - self._owned
+        if not gained:
+            return
+        read = await self.read_snapshot()
+        owns = self._owns(gained)
+        index = self.conductor.index
+        restore(index, read.units, keep=owns)
+
+        def keep_unit(key: UnitKey) -> bool:
+            ns = unit_namespace(key)
+            if ns is not None:
+                return bool(owns(ns))
+            return key[0] == "i" and key[1] in index.instances
+
+        if self.publisher is not None:
+            self.publisher.adopt(read, keep_unit)
+        for tp, offset in read.offsets.items():
+            if tp.topic == internal and tp.partition in gained:
+                self._state_offsets[tp] = offset
+                self._last_published[tp] = offset
+        self._owned |= gained
+        log.info("took over partitions", partitions=sorted(gained), generation=read.generation)
+
     async def _on_assign(self, assigned: set[TopicPartition]) -> None:
         events = self.events
         assert events is not None
         consumer = events.consumer
-        starts = {tp: self._snapshot_offsets.get(tp) for tp in assigned}
+        if self.cfg.kafka.repartition:
+            await self._take_over(assigned)
+        starts = {tp: self._state_offsets.get(tp) for tp in assigned}
         beginnings = await consumer.beginning_offsets(list(assigned))
         for tp, start in starts.items():
             first = beginnings[tp]
@@ -239,8 +306,19 @@ class Daemon:
     async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
         # Hand over what was applied before another daemon takes the partitions.
         await self.checkpoint(force=True)
+        if self.cfg.kafka.repartition:
+            lost = {tp.partition for tp in revoked if tp.topic == self.cfg.kafka.repartition_topic}
+            drop = self._owns(lost)
+            drop_namespaces(self.conductor.index, drop)
+            if self.publisher is not None:
+                self.publisher.forget(drop)
+            for tp in revoked:
+                self._state_offsets.pop(tp, None)
+                self._last_published.pop(tp, None)
+            self._owned -= lost
 
     async def checkpoint(self, force: bool = False) -> None:
+        """Publish a generation (or commit offsets); call under `events.lock`."""
         events = self.events
         if events is None:
             return
@@ -249,6 +327,7 @@ class Daemon:
             if offsets != self._last_published:
                 await events.commit(offsets)
                 self._last_published = offsets
+                self._state_offsets.update(offsets)
             return
         index = self.conductor.index
         changed = offsets != self._last_published or index.dirty.owners or index.dirty.pools
@@ -262,7 +341,7 @@ class Daemon:
                 "unique per daemon): stopping"
             ) from exc
         self._last_published = offsets
-        self._snapshot_offsets.update(offsets)
+        self._state_offsets.update(offsets)
         log.info(
             "snapshot published",
             generation=stats.generation,
@@ -280,6 +359,8 @@ class Daemon:
         producer: AIOKafkaProducer | None = None
         snap_producer: AIOKafkaProducer | None = None
         consumer: AIOKafkaConsumer | None = None
+        clients: list[Any] = []
+        stage_one: asyncio.Task[None] | None = None
         try:
             await self.prepare_topics()
             if self.cfg.snapshot.enabled:
@@ -295,7 +376,8 @@ class Daemon:
                     ),
                 )
                 self.publisher = SnapshotPublisher(snap_producer, k.snapshot_topic, k.group_id)
-                await self.restore_snapshot()
+                if not k.repartition:
+                    await self.restore_snapshot()
             producer = await self._start_client(
                 "starting dead-letter producer",
                 lambda: AIOKafkaProducer(
@@ -326,21 +408,62 @@ class Daemon:
                 k.engine_topic,
                 k.pool_topic,
                 k.fetch_max_records,
+                k.repartition_topic if k.repartition else None,
             )
             self.events.on_assign = self._on_assign
             self.events.on_revoke = self._on_revoke
             await consumer.start()
             self.events.subscribe()
+            if k.repartition:
+                rep_producer = await self._start_client(
+                    "starting repartition producer",
+                    lambda: AIOKafkaProducer(
+                        bootstrap_servers=k.bootstrap_servers,
+                        client_id=f"{k.client_id}-repartition",
+                        transactional_id=f"{k.group_id}-{k.client_id}-repartition",
+                        enable_idempotence=True,
+                        **opts,
+                    ),
+                )
+                rep_consumer = AIOKafkaConsumer(
+                    bootstrap_servers=k.bootstrap_servers,
+                    client_id=f"{k.client_id}-repartition",
+                    group_id=f"{k.group_id}-repartition",
+                    enable_auto_commit=False,
+                    auto_offset_reset="earliest",
+                    isolation_level="read_committed",
+                    **opts,
+                )
+                clients.extend([rep_consumer, rep_producer])
+                await rep_consumer.start()
+                self.repartitioner = Repartitioner(
+                    rep_consumer,
+                    rep_producer,
+                    f"{k.group_id}-repartition",
+                    k.engine_topic,
+                    k.pool_topic,
+                    k.repartition_topic,
+                    k.fetch_max_records,
+                )
+                self.repartitioner.subscribe()
+                stage_one = asyncio.create_task(self._repartition_loop())
             self._kafka_ok = True
             self.status = "running"
             await self._loop()
-            await self.checkpoint()
+            if stage_one is not None:
+                await stage_one
+            async with self.events.lock:
+                await self.checkpoint()
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise
         finally:
             self.status = "stopping"
-            for client in (consumer, producer, snap_producer):
+            if stage_one is not None and not stage_one.done():
+                stage_one.cancel()
+                with contextlib.suppress(BaseException):
+                    await stage_one
+            for client in (*clients, consumer, producer, snap_producer):
                 if client is not None:
                     with contextlib.suppress(Exception):
                         await client.stop()
@@ -368,11 +491,26 @@ class Daemon:
                 last_expire = now
             if now - last_checkpoint >= interval:
                 try:
-                    await self.checkpoint()
+                    async with events.lock:
+                        await self.checkpoint()
                     last_checkpoint = now
                 except KafkaError as exc:
                     self._kafka_ok = False
                     log.warning("snapshot failed; retrying next interval", error=str(exc))
+
+    async def _repartition_loop(self) -> None:
+        stage = self.repartitioner
+        assert stage is not None
+        while not self.stopping.is_set():
+            try:
+                await stage.poll(POLL_TIMEOUT_MS)
+            except ProducerFenced as exc:
+                log.error("repartition producer fenced: another daemon uses this client_id")
+                self.stop()
+                raise FatalError("kafka.client_id must be unique per daemon") from exc
+            except KafkaError as exc:
+                log.warning("repartitioning failed; retrying the batch", error=str(exc))
+                await asyncio.sleep(1.0)
 
     def stop(self) -> None:
         self.stopping.set()

@@ -38,6 +38,7 @@ from kvconductor.snapshots import (
     export_unit,
     generation_key,
     pending_key,
+    unit_namespace,
 )
 
 log = structlog.get_logger("kvconductor.snapshot")
@@ -74,10 +75,20 @@ class SnapshotPublisher:
         self.published: dict[UnitKey, int] = {}
         self.pending_versions: dict[NamespaceKey, int] = {}
 
-    def adopt(self, restored: SnapshotRead) -> None:
-        """Continue after a restore: same generation numbering, same units."""
-        self.generation = restored.generation
-        self.published = dict(restored.chunks)
+    def adopt(self, restored: SnapshotRead, keep: Callable[[UnitKey], bool] | None = None) -> None:
+        """Continue after a restore: same generation numbering, and the units
+        this daemon now owns (`keep`; all by default) as already published."""
+        self.generation = max(self.generation, restored.generation)
+        for key, chunks in restored.chunks.items():
+            if keep is None or keep(key):
+                self.published[key] = chunks
+
+    def forget(self, drop: Callable[[NamespaceKey], bool]) -> None:
+        """Stop tracking units of namespaces handed over to another daemon."""
+        for key in [k for k in self.published if (ns := unit_namespace(k)) and drop(ns)]:
+            del self.published[key]
+        for ns_key in [k for k in self.pending_versions if drop(k)]:
+            del self.pending_versions[ns_key]
 
     def _changed_units(self, index: Index) -> list[tuple[str, Any]]:
         dirty = index.dirty

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -266,22 +266,43 @@ def export_unit(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit | None
 # -------------------------------------------------------------- restore
 
 
-def restore(index: Index, units: dict[UnitKey, Unit]) -> None:
-    """Load decoded units (latest per key) into an empty index."""
+def unit_namespace(key: UnitKey) -> NamespaceKey | None:
+    """The namespace a unit key belongs to (None: instance and generation units)."""
+    if key[0] in ("o", "p", "q"):
+        return NamespaceKey(key[1], key[2], key[3], key[4], key[5])
+    return None
+
+
+def restore(
+    index: Index,
+    units: dict[UnitKey, Unit],
+    keep: Callable[[NamespaceKey], bool] | None = None,
+) -> None:
+    """Load decoded units (latest per key) into the index.
+
+    With `keep`, only the namespaces it accepts (and instances living in
+    them) are loaded: a scale-out daemon takes the units of the partitions
+    it was assigned, and the index may already hold other namespaces."""
     by_ns: dict[NamespaceKey, list[tuple[UnitKey, Unit]]] = {}
+    restored_instances: set[str] = set()
     for key, unit in units.items():
         if isinstance(unit, InstanceUnit):
+            spaces = [NamespaceKey(*f) for f in unit.namespaces]
+            if keep is not None and not any(keep(k) for k in spaces):
+                continue
             state = InstanceState()
             state.last_seq = dict(unit.last_seq)
             state.skip_groups = set(unit.skip_groups)
-            state.namespaces = {NamespaceKey(*f) for f in unit.namespaces}
+            state.namespaces = set(spaces)
             state.last_event_ts = unit.last_event_ts
             index.instances[unit.instance] = state
+            restored_instances.add(unit.instance)
         elif isinstance(unit, GenerationUnit):
             index.now = max(index.now, unit.clock)
         else:
             ns_key = NamespaceKey(key[1], key[2], key[3], key[4], key[5])
-            by_ns.setdefault(ns_key, []).append((key, unit))
+            if keep is None or keep(ns_key):
+                by_ns.setdefault(ns_key, []).append((key, unit))
     for ns_key, ns_units in by_ns.items():
         ns = index._namespace(ns_key)
         if ns is None:
@@ -300,9 +321,27 @@ def restore(index: Index, units: dict[UnitKey, Unit]) -> None:
         if pending is not None:
             _restore_pending(ns, pending)
         index._gc(ns)
-    index.dirty.owners.clear()
-    index.dirty.pools.clear()
-    index.dirty.instances.clear()
+    # What was just restored is on the topic already; other namespaces' marks
+    # (a scale-out daemon restoring next to what it holds) stay.
+    dirty = index.dirty
+    dirty.owners = {u for u in dirty.owners if u[0] not in by_ns}
+    dirty.pools = {u for u in dirty.pools if u[0] not in by_ns}
+    dirty.instances -= restored_instances
+
+
+def drop_namespaces(index: Index, drop: Callable[[NamespaceKey], bool]) -> None:
+    """Forget namespaces handed over to another daemon, without tombstones:
+    their units stay on the snapshot topic for the new owner."""
+    for ns_key in [k for k in index.namespaces if drop(k)]:
+        del index.namespaces[ns_key]
+    dirty = index.dirty
+    dirty.owners = {u for u in dirty.owners if not drop(u[0])}
+    dirty.pools = {u for u in dirty.pools if not drop(u[0])}
+    for instance in list(index.instances):
+        state = index.instances[instance]
+        if state.namespaces and all(drop(k) for k in state.namespaces):
+            del index.instances[instance]
+            dirty.instances.discard(instance)
 
 
 def _restore_owner(ns: NamespaceIndex, unit: OwnerUnit) -> None:
@@ -372,3 +411,131 @@ def _canonical(unit: Unit) -> Unit:
         retired = [msgspec.structs.replace(r, ts=0.0) for r in unit.retired]
         return PendingUnit(0.0, sorted(entries, key=repr), sorted(retired, key=repr))
     return unit
+
+
+# ------------------------------------------------------ live replacement
+
+
+def apply_units(index: Index, changes: dict[UnitKey, Unit | None]) -> None:
+    """Replace units' state in a live index; None means the unit is gone.
+
+    For a follower of the snapshot topic: `changes` is what one or more
+    newer generations wrote, the latest per unit key. Afterwards the index
+    equals what `restore` would build from the topic as a whole, provided
+    the units not in `changes` still hold what the index holds (the
+    publisher rewrites every unit whose state changed, and the pending unit
+    of a namespace whenever its pending halves or retired content changed).
+
+    Per namespace: the changed owners' and pools' blocks (and, when the
+    pending unit changed, every pending half and retired entry) are taken
+    out first, releasing their catalog references, then the new states are
+    placed, pending last, as `restore` does. The pending and retired bounds
+    are lifted meanwhile, so a transient release never evicts anything."""
+    by_ns: dict[NamespaceKey, list[tuple[UnitKey, Unit | None]]] = {}
+    for key, unit in changes.items():
+        kind = key[0]
+        if kind == "i":
+            if unit is None:
+                index.instances.pop(key[1], None)
+            elif isinstance(unit, InstanceUnit):
+                index.instances[unit.instance] = _instance_state(unit)
+        elif kind == "g":
+            if isinstance(unit, GenerationUnit):
+                index.now = max(index.now, unit.clock)
+        elif kind in ("o", "p", "q"):
+            ns_key = NamespaceKey(key[1], key[2], key[3], key[4], key[5])
+            by_ns.setdefault(ns_key, []).append((key, unit))
+    for ns_key, ns_changes in by_ns.items():
+        _apply_namespace(index, ns_key, ns_changes)
+    index.dirty.owners.clear()
+    index.dirty.pools.clear()
+    index.dirty.instances.clear()
+
+
+def replace_unit(index: Index, key: UnitKey, unit: Unit | None) -> None:
+    """Replace one unit's state in a live index (None: the unit is gone).
+
+    Several units of one generation should go through `apply_units`
+    together: a namespace's pending unit must be applied after its owners
+    and pools, which one call at a time cannot guarantee."""
+    apply_units(index, {key: unit})
+
+
+def _instance_state(unit: InstanceUnit) -> InstanceState:
+    state = InstanceState()
+    state.last_seq = dict(unit.last_seq)
+    state.skip_groups = set(unit.skip_groups)
+    state.namespaces = {NamespaceKey(*f) for f in unit.namespaces}
+    state.last_event_ts = unit.last_event_ts
+    return state
+
+
+def _apply_namespace(
+    index: Index, ns_key: NamespaceKey, changes: list[tuple[UnitKey, Unit | None]]
+) -> None:
+    ns = index.namespaces.get(ns_key)
+    if ns is None:
+        if all(unit is None for _, unit in changes):
+            return
+        ns = index._namespace(ns_key)
+        if ns is None:
+            raise ValueError("snapshot holds more namespaces than index.max_namespaces")
+    pending_changed = any(key[0] == "q" for key, _ in changes)
+    bounds = (ns.pending.max_entries, ns.retired.max_entries)
+    ns.pending.max_entries = ns.retired.max_entries = sys.maxsize
+    try:
+        # Out with the old state.
+        for key, _ in changes:
+            if key[0] == "o":
+                owner = ns.owners.get(key[6], {}).get(key[7])
+                if owner is not None:
+                    for tier in (DEVICE, HOST, DISK):
+                        for seq in list(owner.tiers[tier]):
+                            ns._unplace_owner(owner, tier, seq)
+                    ns._retire_if_empty(owner)
+            elif key[0] == "p":
+                store = ns.pools.get((key[6], key[7]))
+                if store is not None:
+                    for seq in list(store.blocks):
+                        ns._unplace_pool(store, seq)
+                    ns._drop_pool_if_empty(store)
+        if pending_changed:
+            _clear_pending(ns)
+        # In with the new, pending last (placing pool blocks consumes intents).
+        pending: PendingUnit | None = None
+        for _, unit in changes:
+            if isinstance(unit, OwnerUnit):
+                _restore_owner(ns, unit)
+            elif isinstance(unit, PoolUnit):
+                store = ns._pool(unit.backend, unit.medium, unit.tier)
+                ns._place_pool(store, _unpack(unit.seqs), _unpack(unit.idents))
+                ns._drop_pool_if_empty(store)
+            elif isinstance(unit, PendingUnit):
+                pending = unit
+        if pending is not None:
+            _restore_pending(ns, pending)
+    finally:
+        ns.pending.max_entries, ns.retired.max_entries = bounds
+    index._gc(ns)
+
+
+def _clear_pending(ns: NamespaceIndex) -> None:
+    """Take out every pending half and every retired catalog entry."""
+    for key, _ in ns.pending:
+        kind, seq = key[0], key[1]
+        ns.pending.discard(key)
+        if kind == INTENT:
+            ns._release(seq)
+        elif kind == UNRESOLVED:
+            u = ns.unresolved.pop(seq)
+            ns._unlink_child(u.parent, seq)
+        else:
+            targets = ns.waiting[seq]
+            targets.remove(key[2])
+            if not targets:
+                del ns.waiting[seq]
+    for key, _ in ns.retired:
+        ns.retired.discard(key)
+        seq = key[1]
+        if seq not in ns.refs:
+            ns.content.pop(seq, None)
