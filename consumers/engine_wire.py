@@ -33,7 +33,6 @@ import re
 from typing import Annotated, Any, Final
 
 import msgspec
-import xxhash
 
 from consumers.hash_norm import HashError, normalize_hash, normalize_wire_hashes
 from kvconductor.errors import BadRecord, DecodeError, InvalidHeader, RejectedEvent
@@ -44,6 +43,7 @@ from kvconductor.events import (
     EngineBatch,
     EngineEvent,
 )
+from kvconductor.hashing import extra_keys_fingerprint
 
 __all__ = [
     "SOURCES",
@@ -270,27 +270,31 @@ def bad_record(
 
 # ---------------------------------------------------------------- extra keys
 
-_encode = msgspec.msgpack.encode
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
-def extra_keys_fingerprint(keys: Any) -> int:
-    """u64 fingerprint of one block's extra keys: xxh3_64(msgpack(keys)).
+def _without_lora(keys: Any, lora_name: str | None) -> Any:
+    """vLLM leads every block's keys of a LoRA request with the adapter name;
+    the namespace already keeps adapters apart, and keeping the name here
+    would make LoRA blocks unmatchable by a token query that names it."""
+    if lora_name is not None and isinstance(keys, list | tuple) and keys and keys[0] == lora_name:
+        return keys[1:]
+    return keys
 
-    `keys` is the per-block entry vLLM publishes, e.g. `("lora-a",
-    ("mm-uuid", 0), "salt")`; tuples and lists encode alike, so a router can
-    compute the same value for a query."""
-    return _xxh3(_encode(keys))
 
-
-def _fingerprints(extra: list[Any] | None, n_blocks: int, where: str) -> list[int | None] | None:
+def _fingerprints(
+    extra: list[Any] | None, n_blocks: int, where: str, lora_name: str | None = None
+) -> list[int | None] | None:
     if extra is None:
         return None
     if len(extra) != n_blocks:
         raise RejectedEvent(
             f"{where}: field extra_keys has {len(extra)} entries for {n_blocks} blocks"
         )
-    out: list[int | None] = [None if (k is None or k == []) else _xxh3(_encode(k)) for k in extra]
+    out: list[int | None] = []
+    for k in extra:
+        k = _without_lora(k, lora_name)
+        empty = k is None or (isinstance(k, list | tuple) and not k)
+        out.append(None if empty else extra_keys_fingerprint(k))
     for fp in out:
         if fp is not None:
             return out
@@ -347,14 +351,8 @@ def _stored(ev: _WireStored, i: int) -> BlockStored:
         if block_size < 0:
             raise RejectedEvent(f"event {i} (BlockStored): field block_size: {block_size} < 0")
         block_size = None  # vLLM's hash-only offload events say 0: unknown
-    if tokens:
-        if isinstance(ev, _LAX_STORED_TYPES):
-            tokens = _lax_tokens(tokens, f"event {i} (BlockStored)")
-        if block_size is not None and len(tokens) != len(hashes) * block_size:
-            raise RejectedEvent(
-                f"event {i} (BlockStored): field token_ids: {len(tokens)} tokens for "
-                f"{len(hashes)} blocks of {block_size}"
-            )
+    if tokens and isinstance(ev, _LAX_STORED_TYPES):
+        tokens = _lax_tokens(tokens, f"event {i} (BlockStored)")
     lora_name = ev.lora_name
     salt: str | None = None
     if lora_name is not None:
@@ -369,14 +367,16 @@ def _stored(ev: _WireStored, i: int) -> BlockStored:
             salt = ev.metadata.cache_salt
     extra = None
     if ev.extra_keys is not None:
-        extra = _fingerprints(ev.extra_keys, len(hashes), f"event {i} (BlockStored)")
+        extra = _fingerprints(
+            ev.extra_keys, len(hashes), f"event {i} (BlockStored)", lora_name
+        )
     if salt and parent is None and hashes:
         # SGLang sends its per-request salt beside the event; vLLM puts it in
         # the first block's extra keys. Same place, same fingerprint.
         if extra is None:
             extra = [None] * len(hashes)
         if extra[0] is None:
-            extra[0] = _xxh3(_encode([salt]))
+            extra[0] = extra_keys_fingerprint([salt])
     # Positional, in kvconductor.events.BlockStored's field order (tested).
     return BlockStored(
         hashes,

@@ -25,6 +25,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 
+import msgspec
 import xxhash
 
 MASK64 = (1 << 64) - 1
@@ -82,6 +83,18 @@ def chain_identities(
         ident = _xxh3(token_bytes[i * step : (i + 1) * step], seed)
         append(ident)
     return out
+
+
+def extra_keys_fingerprint(keys: object) -> int:
+    """u64 fingerprint of one block's extra keys: xxh3_64(msgpack(keys)).
+
+    `keys` is the per-block entry vLLM publishes, e.g. `(("mm-uuid", 0),
+    "salt")`; tuples and lists encode alike, so a router computes the same
+    value for a query. A per-request cache salt alone is `[salt]`."""
+    return _xxh3(_encode(keys))
+
+
+_encode = msgspec.msgpack.encode
 
 
 def block_identity(block_bytes: bytes, parent: int, extra: int | None) -> int:

@@ -355,7 +355,8 @@ class Index:
 
     def query(self, req: TokenQuery | HashQuery) -> QueryResponse:
         key = namespace_of(req)
-        return run_query(self.namespaces.get(key), req)
+        salted = self.namespaces.get(key._replace(salt="")) if key.salt else None
+        return run_query(self.namespaces.get(key), req, salted)
 
     def is_empty(self) -> bool:
         return not self.namespaces

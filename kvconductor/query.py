@@ -17,11 +17,11 @@ rest of a long prompt.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import xxhash
 
-from kvconductor.hashing import MASK64, pack_tokens
+from kvconductor.hashing import MASK64, extra_keys_fingerprint, pack_tokens
 from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
@@ -50,11 +50,19 @@ def packed_prompt(req: TokenQuery) -> bytes:
         raise InvalidQuery("token_ids must be integers in [0, 2**32)") from exc
 
 
-def token_identities(data: bytes, block_size: int, seed: int) -> Iterator[int]:
-    """The prompt's block identities, hashed only as far as they are read."""
+def token_identities(
+    data: bytes, block_size: int, seed: int, first_extra: int | None = None
+) -> Iterator[int]:
+    """The prompt's block identities, hashed only as far as they are read.
+
+    `first_extra`: the fingerprint an engine mixed into block 0 (a
+    per-request cache salt)."""
     step = block_size * 4
-    ident = seed
-    for start in range(0, len(data), step):
+    if not data:
+        return
+    ident = _xxh3(data[:step], seed if first_extra is None else seed ^ first_extra)
+    yield ident
+    for start in range(step, len(data), step):
         ident = _xxh3(data[start : start + step], ident)
         yield ident
 
@@ -167,22 +175,65 @@ def respond(
     return {tenant: out} if out else {}
 
 
-def run_query(ns: NamespaceIndex | None, req: TokenQuery | HashQuery) -> QueryResponse:
+def run_query(
+    ns: NamespaceIndex | None,
+    req: TokenQuery | HashQuery,
+    salted: NamespaceIndex | None = None,
+) -> QueryResponse:
     """Answer one query against its namespace (None: unknown namespace).
 
-    Inputs are validated before the namespace is consulted, so a bad request
-    is a 400 whether or not its namespace exists."""
+    `salted`: for a token query with a `cache_salt`, the same namespace
+    without salt, where an engine that salts per request (vLLM's
+    `cache_salt` in the first block's extra keys) keeps its blocks;
+    instances that match there are answered too. Inputs are validated
+    before any namespace is consulted, so a bad request is a 400 whether or
+    not its namespace exists."""
     if isinstance(req, TokenQuery):
         data = packed_prompt(req)
-        if ns is None:
-            return {}
-        idents: Iterable[int] = token_identities(data, ns.block_size, ns.seed)
-    else:
-        hashes = [normalise_query_hash(h) for h in req.seq_hashes]
-        if ns is None:
-            return {}
-        idents = ns.identities_of(hashes)
+        answer = _answer(ns, req, lambda n: token_identities(data, n.block_size, n.seed))
+        if salted is not None and req.cache_salt:
+            fp = extra_keys_fingerprint([req.cache_salt])
+            extra = _answer(
+                salted, req, lambda n: token_identities(data, n.block_size, n.seed, fp), True
+            )
+            answer = _merge(answer, extra)
+        return answer
+    # Engine hashes already cover a per-request salt: no second namespace.
+    hashes = [normalise_query_hash(h) for h in req.seq_hashes]
+    return _answer(ns, req, lambda n: n.identities_of(hashes))
+
+
+def _answer(
+    ns: NamespaceIndex | None,
+    req: TokenQuery | HashQuery,
+    identities: Callable[[NamespaceIndex], Iterable[int]],
+    hits_only: bool = False,
+) -> QueryResponse:
+    if ns is None:
+        return {}
     listed = listed_bits(ns, req.instance_id)
     if not listed:
         return {}
-    return respond(ns, ns.key.tenant, match(ns, idents, listed))
+    lengths = match(ns, identities(ns), listed)
+    if hits_only:
+        lengths = {slot: ls for slot, ls in lengths.items() if ls[2]}
+    return respond(ns, ns.key.tenant, lengths)
+
+
+def _merge(a: QueryResponse, b: QueryResponse) -> QueryResponse:
+    """Per instance, the better of two answers (by DISK, then GPU, then CPU)."""
+    if not b:
+        return a
+    if not a:
+        return b
+    tenant = next(iter(a))
+    rows = dict(a[tenant])
+    for instance, row in b[tenant].items():
+        mine = rows.get(instance)
+        if mine is None or _rank(row) > _rank(mine):
+            rows[instance] = row
+    return {tenant: {k: rows[k] for k in sorted(rows)}}
+
+
+def _rank(row: dict[str, object]) -> tuple[int, int, int]:
+    return (int(row["DISK"]), int(row["GPU"]), int(row["CPU"]))  # type: ignore[call-overload]

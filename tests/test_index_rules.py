@@ -452,3 +452,37 @@ def test_pool_resync_control_record_clears_the_backend() -> None:
     applied = c.ingest_pool_record(b"mc-0", [("kv-control", b"resync")], b"", 2.0)
     assert applied.resync and applied.blocks == 1
     assert hits(c.index) == (4, 4, 8)
+
+
+def test_per_request_cache_salt_in_extra_keys_matches_a_salted_query() -> None:
+    from kvconductor.hashing import extra_keys_fingerprint
+
+    ix = Index()
+    salt = extra_keys_fingerprint(["s3cret"])
+    engine(ix, "a", BlockStored([1, 2], None, PROMPT[:8], BS, extra_keys=[salt, None]))
+    engine(ix, "b", stored(0, 2))
+    assert hits(ix, "b") == (8, 8, 8)
+    assert hits(ix, "a") == (0, 0, 0)  # unsalted query: a's blocks are salted
+    out = ask(ix, cache_salt="s3cret")
+    assert list(out["default"]) == ["a"]  # type: ignore[call-overload]
+    assert out["default"]["a"]["GPU"] == 8  # type: ignore[index]
+    assert ask(ix, cache_salt="other") == {}
+
+
+def test_lora_name_in_extra_keys_does_not_hide_lora_blocks() -> None:
+    from consumers.engine_wire import decode_engine_payload
+    from tests.harness import vllm_payload
+
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": PROMPT[:8],
+        "block_size": BS,
+        "lora_name": "ad",
+        "extra_keys": [["ad", "salt"], ["ad"]],
+    }
+    batch = decode_engine_payload(vllm_payload([ev]))
+    ix = Index()
+    ix.apply_engine("a", meta(), batch, 1.0)
+    assert ask(ix, lora_name="ad", cache_salt="salt")["default"]["a"]["GPU"] == 8  # type: ignore[index]
