@@ -211,6 +211,11 @@ class NamespaceIndex:
                 for t in targets:
                     pending.discard((WAITING, s, t))
                     self._place_target(t, s, i)
+            if s not in self.content:
+                # Known now but held by nobody (its placement was cancelled
+                # while it waited): keep it for late halves like any content.
+                self.content[s] = i
+                self.retired.add((RETIRED, s), self.now)
             kids = self.children.pop(s, None)
             if kids:
                 for k in kids:
