@@ -27,7 +27,9 @@ from kvconductor.metrics import Metrics
 
 log = structlog.get_logger("kvconductor.consumer")
 
-RebalanceHook = Callable[[set[TopicPartition]], Awaitable[None]]
+RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
+# Positions every assigned partition and returns the offset it seeked each to.
+AssignHook = Callable[[set[TopicPartition]], Awaitable[dict[TopicPartition, int]]]
 
 
 class RateLimitedLog:
@@ -81,11 +83,12 @@ class EventConsumer:
         self.max_records = max_records
         # Scale-out mode: read only the repartitioned topic (see repartitioner).
         self.internal_topic = internal_topic
-        # Next offset to read per partition, for everything applied.
+        # Per assigned partition, the next offset the index expects: where it
+        # was positioned on assignment, then past every record applied.
         self.applied_offsets: dict[TopicPartition, int] = {}
         # Called under `lock`; on_assign must position every assigned partition.
-        self.on_revoke: RebalanceHook | None = None
-        self.on_assign: RebalanceHook | None = None
+        self.on_revoke: RevokeHook | None = None
+        self.on_assign: AssignHook | None = None
         self.caught_up = False
         self.problems = RateLimitedLog()
         # aiokafka runs rebalance callbacks in its coordinator task, so they
@@ -118,25 +121,38 @@ class EventConsumer:
             self.epoch += 1
             self.caught_up = False
             if self.on_assign is not None and assigned:
-                await self.on_assign(assigned)
+                # The seek targets, not position(): a getmany running in the
+                # other task may already have handed out records past them.
+                self.applied_offsets.update(await self.on_assign(assigned))
         log.info(
             "partitions assigned", partitions=sorted(f"{t.topic}/{t.partition}" for t in assigned)
         )
 
     async def poll(self, timeout_ms: int) -> int:
         """Fetch one batch and apply it; returns the records handled."""
-        batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
         epoch = self.epoch
+        batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
         handled = 0
         async with self.lock:
+            expected = self.applied_offsets
             if epoch != self.epoch:
+                # A rebalance ran during the fetch or while waiting for the
+                # lock: the batch may predate the partitions' new positions.
+                # Go back to where the index is, and read it again from there.
+                assigned = self.consumer.assignment()
+                for tp in batch:
+                    if tp in assigned and tp in expected:
+                        self.consumer.seek(tp, expected[tp])
                 return 0
             for tp, records in batch.items():
+                start = expected.get(tp, 0)
                 for record in records:
+                    if record.offset < start:
+                        continue  # applied already (never apply a record twice)
                     await self._apply(record)
+                    handled += 1
                 if records:
-                    self.applied_offsets[tp] = records[-1].offset + 1
-                    handled += len(records)
+                    expected[tp] = max(start, records[-1].offset + 1)
             await self.dead_letters.flush()
         self._measure_lag()
         if not self.caught_up:

@@ -23,7 +23,7 @@ from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceKey
 from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
-from kvconductor.records import Headers, control_meta, engine_meta, pool_meta
+from kvconductor.records import Headers, control_meta, engine_meta, header_map, pool_meta
 
 
 class Applied(NamedTuple):
@@ -53,10 +53,11 @@ class Conductor:
         self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
     ) -> Applied:
         instance = _key_text(key, "instance")
-        control = control_meta(headers)
+        h = header_map(headers)
+        control = control_meta(h)
         if control is not None:
             return Applied(self.index.resync(instance, control.dp_rank), 0, True)
-        meta = engine_meta(headers)
+        meta = engine_meta(h)
         batch = decode_engine_payload(payload, meta.source)
         blocks = self.index.apply_engine(instance, meta, batch, now)
         rank = batch.dp_rank if batch.dp_rank is not None else meta.dp_rank
@@ -67,9 +68,10 @@ class Conductor:
         self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
     ) -> Applied:
         backend = _key_text(key, "backend")
-        if control_meta(headers) is not None:
+        h = header_map(headers)
+        if control_meta(h) is not None:
             return Applied(self.index.pool_resync(backend), 0, True)
-        meta = pool_meta(headers)
+        meta = pool_meta(h)
         batch = decode_pool_payload(payload)
         return Applied(self.index.apply_pool(backend, meta, batch, now), 0)
 

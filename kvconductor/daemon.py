@@ -276,7 +276,7 @@ class Daemon:
         self._owned |= gained
         log.info("took over partitions", partitions=sorted(gained), generation=read.generation)
 
-    async def _on_assign(self, assigned: set[TopicPartition]) -> None:
+    async def _on_assign(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
         events = self.events
         assert events is not None
         consumer = events.consumer
@@ -284,10 +284,12 @@ class Daemon:
             await self._take_over(assigned)
         starts = {tp: self._state_offsets.get(tp) for tp in assigned}
         beginnings = await consumer.beginning_offsets(list(assigned))
+        positions: dict[TopicPartition, int] = {}
         for tp, start in starts.items():
             first = beginnings[tp]
             if start is None:
-                await consumer.seek_to_beginning(tp)
+                consumer.seek(tp, first)
+                positions[tp] = first
                 continue
             if start < first:
                 log.error(
@@ -302,6 +304,8 @@ class Daemon:
                 self.conductor.counters["offsets_lost_to_retention"] += first - start
                 start = first
             consumer.seek(tp, start)
+            positions[tp] = start
+        return positions
 
     async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
         # Hand over what was applied before another daemon takes the partitions.

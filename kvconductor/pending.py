@@ -9,6 +9,7 @@ bound evicts from the head and the age bound expires from the head.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -30,7 +31,10 @@ class PendingQueue:
         max_age_s: float,
         on_drop: Callable[[PendingKey, str], None],
     ) -> None:
-        self._entries: dict[PendingKey, float] = {}
+        # An OrderedDict, not a dict: finding a dict's first entry walks past
+        # every slot deleted at its front, so a queue at its bound (evicting
+        # from the head on every add) got slower with each eviction.
+        self._entries: OrderedDict[PendingKey, float] = OrderedDict()
         self._on_drop = on_drop
         self.max_entries = max_entries
         self.max_age_s = max_age_s
@@ -56,8 +60,8 @@ class PendingQueue:
         self.by_kind[key[0]] += 1
         self.version += 1
         while len(entries) > self.max_entries:
-            oldest = next(iter(entries))
-            self._drop(oldest, "count")
+            oldest, _ = entries.popitem(last=False)
+            self._dropped(oldest, "count")
         return True
 
     def discard(self, key: PendingKey) -> bool:
@@ -71,13 +75,14 @@ class PendingQueue:
         entries = self._entries
         cutoff = now - self.max_age_s
         while entries:
-            oldest = next(iter(entries))
-            if entries[oldest] >= cutoff:
+            oldest, ts = entries.popitem(last=False)
+            if ts >= cutoff:
+                entries[oldest] = ts
+                entries.move_to_end(oldest, last=False)
                 return
-            self._drop(oldest, "age")
+            self._dropped(oldest, "age")
 
-    def _drop(self, key: PendingKey, why: str) -> None:
-        del self._entries[key]
+    def _dropped(self, key: PendingKey, why: str) -> None:
         self.by_kind[key[0]] -= 1
         self.version += 1
         self._on_drop(key, why)

@@ -39,8 +39,7 @@ class ControlMeta(NamedTuple):
 CONTROL_ACTIONS = frozenset({"resync"})
 
 
-def control_meta(headers: Headers) -> ControlMeta | None:
-    h = _decode_headers(headers)
+def control_meta(h: HeaderMap) -> ControlMeta | None:
     action = h.get("kv-control")
     if action is None:
         return None
@@ -63,7 +62,11 @@ class PoolMeta(NamedTuple):
     seq: int | None
 
 
-def _decode_headers(headers: Headers) -> dict[str, str]:
+HeaderMap = dict[str, str]
+
+
+def header_map(headers: Headers) -> HeaderMap:
+    """The record's `kv-*` headers as text, decoded once per record."""
     out: dict[str, str] = {}
     for name, value in headers:
         if not name.startswith("kv-"):
@@ -93,8 +96,7 @@ _MAX_RANK = 1 << 16
 _MAX_SEQ = (1 << 64) - 1
 
 
-def engine_meta(headers: Headers) -> EngineMeta:
-    h = _decode_headers(headers)
+def engine_meta(h: HeaderMap) -> EngineMeta:
     model = h.get("kv-model")
     if not model:
         raise MissingHeader("required header kv-model is missing")
@@ -119,8 +121,7 @@ def engine_meta(headers: Headers) -> EngineMeta:
     )
 
 
-def pool_meta(headers: Headers) -> PoolMeta:
-    h = _decode_headers(headers)
+def pool_meta(h: HeaderMap) -> PoolMeta:
     return PoolMeta(
         model=h.get("kv-model") or None,
         block_size=_int(h, "kv-block-size", 1, _MAX_BLOCK_SIZE),

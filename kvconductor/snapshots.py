@@ -33,7 +33,7 @@ import msgspec
 
 from kvconductor.index import Index, InstanceState
 from kvconductor.media import DEVICE, DISK, HOST
-from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, Owner, Unresolved
+from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, Unresolved
 from kvconductor.pending import INTENT, RETIRED, UNRESOLVED, WAITING
 
 SCHEMA_VERSION = 1
@@ -308,15 +308,21 @@ def restore(
         if ns is None:
             raise ValueError("snapshot holds more namespaces than index.max_namespaces")
         pending: PendingUnit | None = None
+        owners = []
+        pools = []
         for _, unit in ns_units:
             if isinstance(unit, OwnerUnit):
-                _restore_owner(ns, unit)
+                tiers = [
+                    (_unpack(unit.seqs[t]), _unpack(unit.idents[t])) for t in (DEVICE, HOST, DISK)
+                ]
+                owners.append((unit.instance, unit.rank, tiers))
             elif isinstance(unit, PoolUnit):
-                store = ns._pool(unit.backend, unit.medium, unit.tier)
-                ns._place_pool(store, _unpack(unit.seqs), _unpack(unit.idents))
-                ns._drop_pool_if_empty(store)
+                pools.append(
+                    (unit.backend, unit.medium, unit.tier, _unpack(unit.seqs), _unpack(unit.idents))
+                )
             elif isinstance(unit, PendingUnit):
                 pending = unit
+        ns.load(owners, pools)
         # Pending last: placing pool blocks consumes intents.
         if pending is not None:
             _restore_pending(ns, pending)
@@ -345,7 +351,8 @@ def drop_namespaces(index: Index, drop: Callable[[NamespaceKey], bool]) -> None:
 
 
 def _restore_owner(ns: NamespaceIndex, unit: OwnerUnit) -> None:
-    owner: Owner = ns._owner(unit.instance, unit.rank)
+    """Place one owner unit block by block (into a namespace that holds more)."""
+    owner = ns._owner(unit.instance, unit.rank)
     for tier in (DEVICE, HOST, DISK):
         seqs = _unpack(unit.seqs[tier])
         if seqs:
