@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import structlog
 from aiokafka import AIOKafkaProducer
 
 from kvconductor.metrics import Metrics
@@ -26,6 +27,8 @@ DLQ_TIMESTAMP = "dlq-source-timestamp"
 DLQ_TIME = "dlq-time"
 
 _MAX_REASON = 1000
+
+log = structlog.get_logger("kvconductor.dead_letters")
 
 
 def dead_letter_headers(
@@ -52,20 +55,19 @@ def dead_letter_headers(
 
 
 class DeadLetterWriter:
-    """Sends dead letters and waits for all of them before offsets move on."""
+    """Sends dead letters and waits for all of them before offsets move on.
+
+    A dead letter the broker does not acknowledge is sent again (with
+    backoff, each failure counted) until it is: the record's offset is
+    committed only after its copy is safe."""
 
     def __init__(self, producer: AIOKafkaProducer, topic: str, metrics: Metrics) -> None:
         self._producer = producer
         self._metrics = metrics
         self._topic = topic
-        self._inflight: list[asyncio.Future[Any]] = []
+        self._inflight: list[tuple[asyncio.Future[Any], _Letter]] = []
 
-    async def send(
-        self,
-        record: Any,
-        kind: str,
-        reason: str,
-    ) -> None:
+    async def send(self, record: Any, kind: str, reason: str) -> None:
         original = list(record.headers or ())
         # A repartitioned record (scale-out mode) is reported, and re-driven,
         # as the input record it came from.
@@ -83,12 +85,43 @@ class DeadLetterWriter:
         headers = dead_letter_headers(
             original, kind, reason, topic, partition, offset, record.timestamp
         )
-        fut = await self._producer.send(self._topic, value=record.value, key=key, headers=headers)
-        self._inflight.append(fut)
+        letter = _Letter(key, record.value, headers)
+        self._inflight.append((await self._send(letter), letter))
         self._metrics.dead_letters.labels(kind=kind).inc()
+
+    async def _send(self, letter: _Letter) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = await self._producer.send(
+            self._topic, value=letter.value, key=letter.key, headers=letter.headers
+        )
+        return fut
 
     async def flush(self) -> None:
         """Wait until every dead letter sent so far is acknowledged."""
-        if self._inflight:
+        delay = 0.5
+        while self._inflight:
             inflight, self._inflight = self._inflight, []
-            await asyncio.gather(*inflight)
+            results = await asyncio.gather(*(f for f, _ in inflight), return_exceptions=True)
+            failed = [
+                letter
+                for (_, letter), result in zip(inflight, results, strict=True)
+                if isinstance(result, BaseException)
+            ]
+            if not failed:
+                return
+            self._metrics.dead_letter_failures.inc(len(failed))
+            log.warning(
+                "dead letters not acknowledged; sending them again",
+                count=len(failed),
+                error=str(next(r for r in results if isinstance(r, BaseException))),
+                retry_in_s=delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+            for letter in failed:
+                self._inflight.append((await self._send(letter), letter))
+
+
+class _Letter(NamedTuple):
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]

@@ -236,8 +236,12 @@ class NamespaceIndex:
 
     def _pin(self, seq: int, ident: int) -> None:
         # An intent for content some pool already holds has nothing left to
-        # wait for: the join happened the other way round.
+        # wait for (the join happened the other way round), but it still
+        # names that content under its hash.
         if ident in self.pool_counts[HOST] or ident in self.pool_counts[DISK]:
+            if seq not in self.content:
+                self.content[seq] = ident
+                self.retired.add((RETIRED, seq), self.now)
             return
         if self.pending.add((INTENT, seq), self.now):
             self._acquire(seq, ident)

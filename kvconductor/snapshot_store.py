@@ -239,8 +239,13 @@ async def read_snapshot(
     remaining = {tp for tp in tps if ends[tp] > 0}
     while remaining:
         batch = await consumer.getmany(*remaining, timeout_ms=500, max_records=10_000)
-        for recs in batch.values():
+        for tp, recs in batch.items():
+            end = ends[tp]
             for r in recs:
+                if r.offset >= end:
+                    # Past the end taken up front: a generation being
+                    # committed now; taking part of it would mix generations.
+                    continue
                 records += 1
                 if r.value is None:
                     latest[r.key] = None
