@@ -19,11 +19,11 @@ Command line (``python -m kvconductor.kafka_local``, later ``kvconductor kafka-l
 ``start`` prints only the bootstrap address on stdout (progress goes to stderr), so
 ``BOOTSTRAP=$(python -m kvconductor.kafka_local start)`` works.
 
-Environment: ``KVCONDUCTOR_KAFKA_DIR`` (data folder, default ``<repo>/.kafka-local``),
-``KVCONDUCTOR_KAFKA_PORT`` (client port, default 39092; the controller port defaults to the
-client port + 1), ``KVCONDUCTOR_KAFKA_LIBS`` (jar cache, default
+Environment: ``KVCONDUCTOR_LOCAL_KAFKA_DIR`` (data folder, default ``<repo>/.kafka-local``),
+``KVCONDUCTOR_LOCAL_KAFKA_PORT`` (client port, default 39092; the controller port defaults to the
+client port + 1), ``KVCONDUCTOR_LOCAL_KAFKA_LIBS`` (jar cache, default
 ``~/.cache/kvconductor/kafka-<version>/libs``), ``JAVA_HOME`` (else ``java`` on PATH),
-``KVCONDUCTOR_KAFKA_JAVA_OPTS`` (extra JVM options, after the defaults; for example
+``KVCONDUCTOR_LOCAL_KAFKA_JAVA_OPTS`` (extra JVM options, after the defaults; for example
 ``-XX:TieredStopAtLevel=1`` starts about 1.5 s faster with ~25 MiB less RSS, at the cost of
 broker throughput, so it is not the default: benchmarks run against this broker).
 
@@ -88,10 +88,10 @@ JVM_OPTIONS: tuple[str, ...] = (
     "-Dlog4j2.shutdownHookEnabled=false",
 )
 
-ENV_DIR = "KVCONDUCTOR_KAFKA_DIR"
-ENV_PORT = "KVCONDUCTOR_KAFKA_PORT"
-ENV_LIBS = "KVCONDUCTOR_KAFKA_LIBS"
-ENV_JAVA_OPTS = "KVCONDUCTOR_KAFKA_JAVA_OPTS"
+ENV_DIR = "KVCONDUCTOR_LOCAL_KAFKA_DIR"
+ENV_PORT = "KVCONDUCTOR_LOCAL_KAFKA_PORT"
+ENV_LIBS = "KVCONDUCTOR_LOCAL_KAFKA_LIBS"
+ENV_JAVA_OPTS = "KVCONDUCTOR_LOCAL_KAFKA_JAVA_OPTS"
 
 PID_FILE = "kafka.pid"
 STATE_FILE = "broker.json"
@@ -596,8 +596,8 @@ def start(
 ) -> str:
     """Start (or find running) the local broker of ``data_dir``; return its bootstrap address.
 
-    ``data_dir`` defaults to ``$KVCONDUCTOR_KAFKA_DIR`` or ``<repo>/.kafka-local``; ``port``
-    to ``$KVCONDUCTOR_KAFKA_PORT`` or 39092; ``controller_port`` to ``port + 1``. If a broker
+    ``data_dir`` defaults to ``$KVCONDUCTOR_LOCAL_KAFKA_DIR`` or ``<repo>/.kafka-local``; ``port``
+    to ``$KVCONDUCTOR_LOCAL_KAFKA_PORT`` or 39092; ``controller_port`` to ``port + 1``. If a broker
     started by this tool already runs in ``data_dir`` (whatever its ports), its address is
     returned once it answers. Raises :class:`KafkaLocalError` with a one-line reason.
     """
