@@ -1,0 +1,381 @@
+"""Bridge configuration: `[kafka]`, `[bridge]`, `[log]` and `[[publishers]]`.
+
+    cfg = load_bridge_config(Path("config/bridge.toml"))
+
+Same rules as the daemon's configuration (`kvconductor.config`): defaults <
+the TOML file < `KVCONDUCTOR_<SECTION>_<KEY>` env vars for the `kafka`,
+`bridge` and `log` sections; unknown sections or keys, wrong types and
+out-of-range values raise a one-line `ConfigError` naming the key. `[kafka]`
+is the daemon's own `KafkaConfig`, parsed and validated by the daemon's
+helpers, so one env file can serve both processes.
+
+Publishers come from `[[publishers]]` tables (not from the environment) and
+at run time from `POST /register`; both go through `publisher_from_mapping`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from kvconductor import config as base
+from kvconductor.config import (
+    ENV_PREFIX,
+    Config,
+    ConfigError,
+    KafkaConfig,
+    LogConfig,
+    Secret,
+)
+
+Kind = Literal["engine", "pool"]
+Source = Literal["vllm", "sglang", "trtllm", "mooncake"]
+Offload = Literal["local", "pool"]
+
+ENGINE_SOURCES = frozenset({"vllm", "sglang", "trtllm"})
+MAX_RANK = 1 << 16
+MAX_BLOCK_SIZE = 1 << 20
+
+
+class BridgeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8788
+    auth_token: Secret | None = None
+    auth_token_file: str | None = None
+    client_id: str = "kvconductor-bridge"
+    group_id: str = "kvconductor-bridge"
+    registrations: bool = True
+    registrations_topic: str = "kv-bridge-registrations"
+    buffer_max_messages: int = 100_000
+    buffer_max_bytes: int = 128 * 1024 * 1024
+    replay_timeout_s: float = 5.0
+    idle_probe_s: float = 5.0
+    zmq_rcvhwm: int = 100_000
+    linger_ms: int = 5
+    max_request_size: int = 1024 * 1024
+    flush_timeout_s: float = 10.0
+
+
+class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """One publisher: `dp_size` ZMQ sockets, rank `dp_rank + i` at port + i."""
+
+    id: str
+    endpoint: str
+    kind: Kind = "engine"
+    source: Source = "vllm"
+    replay_endpoint: str | None = None
+    zmq_topic: str = ""
+    model: str | None = None
+    block_size: int | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    tenant: str = "default"
+    salt: str = ""
+    lora_name: str | None = None
+    offload: Offload = "local"
+
+    @property
+    def ranks(self) -> range:
+        return range(self.dp_rank, self.dp_rank + self.dp_size)
+
+
+class _RawPublisher(msgspec.Struct, frozen=True, kw_only=True):
+    """The TOML shape: `kind` and `source` may be left out (derived)."""
+
+    id: str
+    endpoint: str
+    kind: Kind | None = None
+    source: Source | None = None
+    replay_endpoint: str | None = None
+    zmq_topic: str = ""
+    model: str | None = None
+    block_size: int | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    tenant: str = "default"
+    salt: str = ""
+    lora_name: str | None = None
+    offload: Offload = "local"
+
+
+class BridgeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
+    bridge: BridgeSettings = msgspec.field(default_factory=BridgeSettings)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    publishers: tuple[PublisherConfig, ...] = ()
+
+    def topic_for(self, pub: PublisherConfig) -> str:
+        return self.kafka.engine_topic if pub.kind == "engine" else self.kafka.pool_topic
+
+
+SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "kafka": KafkaConfig,
+    "bridge": BridgeSettings,
+    "log": LogConfig,
+}
+PUBLISHERS = "publishers"
+SECRET_FILES: dict[tuple[str, str], str] = {
+    **{k: v for k, v in base.SECRET_FILES.items() if k[0] == "kafka"},
+    ("bridge", "auth_token"): "auth_token_file",
+}
+_PUBLISHER_FIELDS = {f.name: f for f in msgspec.structs.fields(_RawPublisher)}
+_REQUIRED = [n for n, f in _PUBLISHER_FIELDS.items() if f.required]
+
+
+# ------------------------------------------------------------- endpoints
+
+
+_TCP = re.compile(r"tcp://(?P<host>\[[^\]]+\]|[^:/\s]+):(?P<port>\d{1,5})")
+
+
+def endpoint_for_rank(endpoint: str, offset: int) -> str:
+    """The socket `offset` ranks after `endpoint`: tcp port + offset, or for
+    ipc/inproc the `_dp<offset>` suffix vLLM uses (none for offset 0)."""
+    if offset == 0:
+        return endpoint
+    match = _TCP.fullmatch(endpoint)
+    if match is not None:
+        return f"tcp://{match['host']}:{int(match['port']) + offset}"
+    return f"{endpoint}_dp{offset}"
+
+
+def _check_endpoint(value: str, span: int) -> str | None:
+    """Why `value` cannot be connected to (None: fine)."""
+    if value.startswith("tcp://"):
+        match = _TCP.fullmatch(value)
+        if match is None:
+            return f"expected tcp://host:port, got {value!r}"
+        port = int(match["port"])
+        if not 1 <= port <= 65535 or port + span - 1 > 65535:
+            return f"port out of range for {span} rank(s): {value!r}"
+        if match["host"] == "*":
+            return f"a subscriber connects, it cannot bind '*': {value!r}"
+        return None
+    if value.startswith(("ipc://", "inproc://")) and len(value.split("://", 1)[1]) > 0:
+        return None
+    return f"expected tcp://, ipc:// or inproc:// endpoint, got {value!r}"
+
+
+# ------------------------------------------------------------ publishers
+
+
+def publisher_from_mapping(raw: Mapping[str, Any], where: str) -> PublisherConfig:
+    """A validated publisher from a TOML table or a registration; raises a
+    one-line `ConfigError` starting with `where`."""
+    values: dict[str, object] = {}
+    for key, value in raw.items():
+        f = _PUBLISHER_FIELDS.get(key)
+        if f is None:
+            hint = difflib.get_close_matches(key, list(_PUBLISHER_FIELDS), n=1)
+            did = f" (did you mean {hint[0]}?)" if hint else ""
+            raise ConfigError(f"{where} {key}: unknown key{did}")
+        try:
+            values[key] = base._parse(value, f.type, False, False)
+        except base._BadValue as exc:
+            raise ConfigError(f"{where} {key}: {exc}") from None
+    for key in _REQUIRED:
+        if key not in values:
+            raise ConfigError(f"{where} {key}: required")
+    p = _RawPublisher(**values)  # type: ignore[arg-type]
+
+    def fail(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{where} {key}: {why}")
+
+    if not p.id.strip():
+        raise fail("id", "must not be empty")
+    if p.kind is None:
+        kind: Kind = "pool" if p.source == "mooncake" else "engine"
+    else:
+        kind = p.kind
+    source: Source = p.source or ("mooncake" if kind == "pool" else "vllm")
+    if kind == "engine" and source not in ENGINE_SOURCES:
+        raise fail("source", f"an engine publishes as vllm, sglang or trtllm, not {source}")
+    if kind == "pool" and source != "mooncake":
+        raise fail("source", f"a pool backend publishes as mooncake, not {source}")
+    if kind == "engine":
+        if not p.model:
+            raise fail("model", "required for an engine (header kv-model)")
+        if p.block_size is None:
+            raise fail("block_size", "required for an engine (header kv-block-size)")
+    elif p.offload != "local":
+        raise fail("offload", "applies to engines only")
+    if p.model is not None and not p.model.strip():
+        raise fail("model", "must not be blank")
+    if p.block_size is not None and not 1 <= p.block_size <= MAX_BLOCK_SIZE:
+        raise fail("block_size", f"must be in [1, {MAX_BLOCK_SIZE}], got {p.block_size}")
+    if not 0 <= p.dp_rank < MAX_RANK:
+        raise fail("dp_rank", f"must be in [0, {MAX_RANK}), got {p.dp_rank}")
+    if not 1 <= p.dp_size <= MAX_RANK - p.dp_rank:
+        raise fail("dp_size", f"must be in [1, {MAX_RANK - p.dp_rank}], got {p.dp_size}")
+    if not p.tenant.strip():
+        raise fail("tenant", "must not be empty")
+    for key in ("endpoint", "replay_endpoint"):
+        value = getattr(p, key)
+        if value is None:
+            continue
+        why = _check_endpoint(value, p.dp_size)
+        if why is not None:
+            raise fail(key, why)
+    return PublisherConfig(
+        id=p.id,
+        endpoint=p.endpoint,
+        kind=kind,
+        source=source,
+        replay_endpoint=p.replay_endpoint,
+        zmq_topic=p.zmq_topic,
+        model=p.model,
+        block_size=p.block_size,
+        dp_rank=p.dp_rank,
+        dp_size=p.dp_size,
+        tenant=p.tenant,
+        salt=p.salt,
+        lora_name=p.lora_name,
+        offload=p.offload,
+    )
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_bridge_config(path: Path | None, env: Mapping[str, str] = os.environ) -> BridgeConfig:
+    """Defaults, then the TOML file at `path` (if any), then env overrides."""
+    values: dict[str, dict[str, object]] = {s: {} for s in SECTIONS}
+    sources: dict[tuple[str, str], str] = {}
+    fields = {s: {f.name: f for f in msgspec.structs.fields(c)} for s, c in SECTIONS.items()}
+    tables: list[Any] = []
+    file_source = str(path) if path is not None else ""
+
+    def put(section: str, key: str, value: object, from_env: bool, source: str) -> None:
+        f = fields[section][key]
+        secret = (section, key) in SECRET_FILES
+        try:
+            parsed = base._parse(value, f.type, from_env, secret)
+        except base._BadValue as exc:
+            raise ConfigError(f"[{section}] {key}: {exc} (from {source})") from None
+        values[section][key] = parsed
+        sources[(section, key)] = source
+
+    if path is not None:
+        doc = base._read_toml(path)
+        for section, table in doc.items():
+            if section == PUBLISHERS:
+                if not isinstance(table, list) or not all(isinstance(t, dict) for t in table):
+                    raise ConfigError(
+                        f"[[{PUBLISHERS}]]: expected an array of tables (from {file_source})"
+                    )
+                tables = table
+                continue
+            if section not in SECTIONS:
+                known = [*SECTIONS, PUBLISHERS]
+                hint = difflib.get_close_matches(section, known, n=1)
+                did = f" (did you mean [{hint[0]}]?)" if hint else ""
+                raise ConfigError(f"[{section}]: unknown section{did} (from {file_source})")
+            if not isinstance(table, dict):
+                raise ConfigError(f"[{section}]: expected a table (from {file_source})")
+            for key, value in table.items():
+                if key not in fields[section]:
+                    raise base._unknown_key(section, key, list(fields[section]), file_source)
+                put(section, key, value, False, file_source)
+
+    for name in sorted(env):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX):
+            continue
+        rest = upper[len(ENV_PREFIX) :]
+        for section in SECTIONS:
+            if rest.startswith(section.upper() + "_"):
+                key = rest[len(section) + 1 :].lower()
+                if key not in fields[section]:
+                    raise base._unknown_key(section, key, list(fields[section]), name)
+                put(section, key, env[name], True, name)
+                break
+
+    def src(section: str, key: str) -> str:
+        return sources.get((section, key), "built-in default")
+
+    for (section, key), file_key in SECRET_FILES.items():
+        file_path = values[section].get(file_key)
+        if file_path is None:
+            continue
+        if values[section].get(key) is not None:
+            raise ConfigError(
+                f"[{section}] {file_key}: set only one of {key} and {file_key} "
+                f"(from {src(section, key)} and {src(section, file_key)})"
+            )
+        assert isinstance(file_path, str)
+        values[section][key] = base._read_secret_file(
+            section, file_key, file_path, src(section, file_key)
+        )
+
+    kafka = KafkaConfig(**values["kafka"])  # type: ignore[arg-type]
+    log = LogConfig(**values["log"])  # type: ignore[arg-type]
+    settings = BridgeSettings(**values["bridge"])  # type: ignore[arg-type]
+    # The daemon's checks of [kafka] (servers, topics, security), unchanged.
+    base._validate(Config(kafka=kafka, log=log), src)
+    _validate_settings(settings, kafka, src)
+
+    publishers: list[PublisherConfig] = []
+    seen: dict[tuple[str, int], str] = {}
+    for i, table in enumerate(tables, 1):
+        label = table.get("id") if isinstance(table.get("id"), str) else None
+        where = f"[[{PUBLISHERS}]] #{i}" + (f" ({label})" if label else "")
+        try:
+            pub = publisher_from_mapping(table, where)
+        except ConfigError as exc:
+            text = str(exc).removeprefix("config error: ")
+            raise ConfigError(f"{text} (from {file_source})") from None
+        for rank in pub.ranks:
+            other = seen.get((pub.id, rank))
+            if other is not None:
+                raise ConfigError(
+                    f"{where} dp_rank: {pub.id!r} rank {rank} is also in {other} "
+                    f"(from {file_source})"
+                )
+            seen[(pub.id, rank)] = where
+        publishers.append(pub)
+    return BridgeConfig(kafka=kafka, bridge=settings, log=log, publishers=tuple(publishers))
+
+
+def _validate_settings(
+    b: BridgeSettings, kafka: KafkaConfig, src: Callable[[str, str], str]
+) -> None:
+    def fail(key: str, why: str) -> ConfigError:
+        return ConfigError(f"[bridge] {key}: {why} (from {src('bridge', key)})")
+
+    if not b.host.strip():
+        raise fail("host", "must not be empty")
+    if not 0 <= b.port <= 65535:
+        raise fail("port", f"must be in [0, 65535], got {b.port}")
+    if b.auth_token is not None and not b.auth_token.reveal().strip():
+        raise fail("auth_token", "must not be blank")
+    for key in ("client_id", "group_id"):
+        if not getattr(b, key).strip():
+            raise fail(key, "must not be empty")
+    topic = b.registrations_topic
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", topic) or topic in (".", ".."):
+        raise fail("registrations_topic", f"not a valid Kafka topic name: {topic!r}")
+    for key in ("engine_topic", "pool_topic", "snapshot_topic", "dead_letter_topic"):
+        if topic == getattr(kafka, key):
+            raise fail("registrations_topic", f"must differ from [kafka] {key} ({topic!r})")
+    if b.buffer_max_messages < 1:
+        raise fail("buffer_max_messages", f"must be at least 1, got {b.buffer_max_messages}")
+    if b.buffer_max_bytes < 64 * 1024:
+        raise fail("buffer_max_bytes", f"must be at least 65536, got {b.buffer_max_bytes}")
+    if not b.replay_timeout_s > 0:
+        raise fail("replay_timeout_s", f"must be positive, got {b.replay_timeout_s}")
+    if b.idle_probe_s < 0:
+        raise fail("idle_probe_s", f"must be at least 0 (0: off), got {b.idle_probe_s}")
+    if not b.flush_timeout_s > 0:
+        raise fail("flush_timeout_s", f"must be positive, got {b.flush_timeout_s}")
+    if b.zmq_rcvhwm < 0:
+        raise fail("zmq_rcvhwm", f"must be at least 0 (0: unlimited), got {b.zmq_rcvhwm}")
+    if not 0 <= b.linger_ms <= 10_000:
+        raise fail("linger_ms", f"must be in [0, 10000], got {b.linger_ms}")
+    if b.max_request_size < 1024:
+        raise fail("max_request_size", f"must be at least 1024, got {b.max_request_size}")

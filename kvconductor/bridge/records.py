@@ -1,0 +1,76 @@
+"""The Kafka records the bridge writes (contract sections 2 and 3).
+
+One record per ZMQ message: key = instance or backend id, value = the payload
+bytes untouched, headers from the publisher's configuration plus `kv-seq`.
+A resync control record (`kv-control: resync`) has an empty value and the
+same key and headers, minus `kv-seq`, plus `kv-control-reason`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvconductor.bridge.config import PublisherConfig
+
+Headers = list[tuple[str, bytes]]
+
+
+class StreamKey(NamedTuple):
+    """One ZMQ socket of a publisher: its id and dp rank."""
+
+    id: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.id}/{self.rank}"
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """A record waiting in a stream's buffer until Kafka acknowledges it."""
+
+    key: bytes
+    value: bytes
+    headers: Headers
+    seq: int | None  # None: a control record
+    size: int
+    enqueued: float = field(default_factory=time.monotonic)
+    too_large: bool = False  # Kafka refused it for its size
+
+    @property
+    def control(self) -> bool:
+        return self.seq is None
+
+
+def base_headers(pub: PublisherConfig, rank: int) -> Headers:
+    """The headers every record of this publisher's rank carries."""
+    h: dict[str, str] = {}
+    if pub.model is not None:
+        h["kv-model"] = pub.model
+    if pub.block_size is not None:
+        h["kv-block-size"] = str(pub.block_size)
+    h["kv-source"] = pub.source
+    h["kv-tenant"] = pub.tenant
+    h["kv-salt"] = pub.salt
+    h["kv-dp-rank"] = str(rank)
+    if pub.kind == "engine":
+        h["kv-offload"] = pub.offload
+    return [(k, v.encode()) for k, v in h.items()]
+
+
+def data_entry(pub: PublisherConfig, rank: int, seq: int, payload: bytes) -> Entry:
+    headers = [*base_headers(pub, rank), ("kv-seq", str(seq).encode())]
+    key = pub.id.encode()
+    return Entry(key, payload, headers, seq, len(payload) + len(key) + 64)
+
+
+def resync_entry(pub: PublisherConfig, rank: int, reason: str) -> Entry:
+    headers = [
+        ("kv-control", b"resync"),
+        ("kv-control-reason", reason.encode()),
+        *base_headers(pub, rank),
+    ]
+    key = pub.id.encode()
+    return Entry(key, b"", headers, None, len(key) + len(reason) + 64)
