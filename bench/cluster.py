@@ -1,0 +1,352 @@
+"""A simulated fleet of engines and pool backends that emits KV events.
+
+Each instance has a GPU block pool of fixed capacity with LRU eviction and
+either a host tier of its own (`kv-offload: local`, write-through like
+vLLM's CPU offloading connector) or a pool backend it offloads into
+(`kv-offload: pool`: offload intents, then the backend's RFC #1527
+confirmation, in either order). Every request served becomes one vLLM 0.33
+payload (tagged maps, msgpack) on the engine topic, plus pool records.
+
+Besides kvconductor's records the cluster writes, for the same requests,
+the device-tier events each peer consumes: a device-only vLLM payload,
+Dynamo `RadixTree` JSON events, and plain tuples for the naive baseline.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
+
+# A block of a prompt: (engine sequence hash, contract local hash, identity).
+Block = tuple[int, int, int]
+
+_mp = msgspec.msgpack.encode
+_js = msgspec.json.encode
+
+
+class Record(NamedTuple):
+    """One Kafka record: `pool` False for the engine topic, True for pools."""
+
+    pool: bool
+    key: bytes
+    headers: list[tuple[str, bytes]]
+    payload: bytes
+    ts: float
+    blocks: int  # block events carried (stores and removals, all tiers)
+
+
+class NaiveOp(NamedTuple):
+    """Device-tier events of one record for the naive baseline."""
+
+    worker: int
+    removed: array[int]  # sequence hashes ('Q')
+    stored_seqs: array[int]
+    stored_idents: array[int]
+
+
+@dataclass
+class Streams:
+    """Everything the cluster emitted, per consumer."""
+
+    records: list[Record] = field(default_factory=list)
+    # kvconductor fed the device tier only (for the pair with Dynamo).
+    device_records: list[Record] = field(default_factory=list)
+    dynamo: list[tuple[int, bytes, int]] = field(default_factory=list)  # worker, json, blocks
+    naive: list[NaiveOp] = field(default_factory=list)
+    # After each request: the lengths of the four streams above, so that a
+    # prefix of the requests can be cut out of every stream alike.
+    marks: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def mark(self) -> None:
+        self.marks.append(
+            (len(self.records), len(self.device_records), len(self.dynamo), len(self.naive))
+        )
+
+    def requests_for(self, block_events: int) -> int:
+        """The fewest requests whose records carry `block_events` (all tiers)."""
+        total = 0
+        records = self.records
+        for n, mark in enumerate(self.marks):
+            start = self.marks[n - 1][0] if n else 0
+            total += sum(r.blocks for r in records[start : mark[0]])
+            if total >= block_events:
+                return n + 1
+        return len(self.marks)
+
+
+class Instance:
+    __slots__ = ("gpu", "headers", "host", "index", "key", "pool_mode", "seq")
+
+    def __init__(self, index: int, model: str, block_size: int, pool_mode: bool) -> None:
+        self.index = index
+        self.key = f"vllm-{index}".encode()
+        self.pool_mode = pool_mode
+        self.gpu: OrderedDict[int, None] = OrderedDict()
+        self.host: OrderedDict[int, None] = OrderedDict()
+        self.seq = 0
+        self.headers = [
+            ("kv-model", model.encode()),
+            ("kv-block-size", str(block_size).encode()),
+            ("kv-source", b"vllm"),
+            ("kv-offload", b"pool" if pool_mode else b"local"),
+        ]
+
+
+class PoolBackend:
+    __slots__ = ("blocks", "event_id", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.event_id = 0
+
+
+def _lru_admit(
+    lru: OrderedDict[int, None], seqs: list[int], capacity: int
+) -> tuple[list[int], list[int]]:
+    """Admit a request's blocks (head first) into an LRU set.
+
+    Blocks already held are touched, tail first, so that the head of a
+    reused prefix is the most recent (vLLM frees a request's blocks tail
+    first, so tails are evicted first); missing ones are inserted the same
+    way after evicting the least recently used. Returns (added, evicted)."""
+    move = lru.move_to_end
+    added_rev: list[int] = []
+    for s in reversed(seqs):
+        if s in lru:
+            move(s)
+        else:
+            added_rev.append(s)
+    evicted: list[int] = []
+    over = len(lru) + len(added_rev) - capacity
+    if over > 0:
+        pop = lru.popitem
+        evicted = [pop(last=False)[0] for _ in range(min(over, len(lru)))]
+    for s in added_rev:
+        lru[s] = None
+    added = added_rev[::-1]
+    return added, evicted
+
+
+def _stored_event(
+    seqs: list[int], parent: int | None, tokens: list[int], medium: str, bs: int
+) -> dict[str, object]:
+    """A vLLM 0.33 `BlockStored` map, fields in the engine's order."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": seqs,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": bs,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def _removed_event(seqs: list[int], medium: str) -> dict[str, object]:
+    return {"type": "BlockRemoved", "block_hashes": seqs, "medium": medium, "group_idx": 0}
+
+
+class Cluster:
+    """Serves requests on instances and records the events they cause."""
+
+    def __init__(
+        self,
+        *,
+        instances: int,
+        gpu_blocks: int,
+        host_blocks: int,
+        pool_instances: int,
+        pool_backends: int,
+        pool_blocks: int,
+        block_size: int,
+        model: str,
+        rng: random.Random,
+        confirm_first: float = 0.1,
+    ) -> None:
+        self.bs = block_size
+        self.model = model
+        self.gpu_blocks = gpu_blocks
+        self.host_blocks = host_blocks
+        self.pool_blocks = pool_blocks
+        self.rng = rng
+        self.confirm_first = confirm_first
+        self.instances = [
+            Instance(i, model, block_size, i < pool_instances) for i in range(instances)
+        ]
+        self.backends = [PoolBackend(f"mooncake-{b}") for b in range(max(pool_backends, 1))]
+        self.pool_headers = [
+            ("kv-model", model.encode()),
+            ("kv-block-size", str(block_size).encode()),
+        ]
+        self.streams = Streams()
+        self.clock = 1_700_000_000.0
+        self.dynamo_event_id = 0
+        self.evicted_gpu = 0
+
+    # ----------------------------------------------------------- reading
+
+    def entries(self) -> int:
+        """Live (block, owner) entries: device and host tiers, pool stores."""
+        n = sum(len(i.gpu) + len(i.host) for i in self.instances)
+        return n + sum(len(b.blocks) for b in self.backends)
+
+    def tier_entries(self) -> dict[str, int]:
+        return {
+            "GPU": sum(len(i.gpu) for i in self.instances),
+            "CPU": sum(len(i.host) for i in self.instances),
+            "pool": sum(len(b.blocks) for b in self.backends),
+        }
+
+    # ----------------------------------------------------------- serving
+
+    def serve(self, inst: Instance, tokens: array[int], blocks: list[Block]) -> None:
+        """One request on `inst` whose full blocks are `blocks` (head first)
+        and whose tokens are `tokens` (at least len(blocks) * block size)."""
+        bs = self.bs
+        self.clock += 0.001
+        ts = self.clock
+        seqs = [b[0] for b in blocks]
+        added, evicted = _lru_admit(inst.gpu, seqs, self.gpu_blocks)
+        self.evicted_gpu += len(evicted)
+        events: list[dict[str, object]] = []
+        device: list[dict[str, object]] = []
+        dyn: list[tuple[bytes, int]] = []
+        nblocks = 0
+        if evicted:
+            ev = _removed_event(evicted, "GPU")
+            events.append(ev)
+            device.append(ev)
+            dyn.append((self._dynamo_removed(evicted), len(evicted)))
+            nblocks += len(evicted)
+        stored_seqs: list[int] = []
+        stored_idents: list[int] = []
+        if added:
+            held = set(added)
+            i = 0
+            n = len(blocks)
+            while i < n:
+                if blocks[i][0] not in held:
+                    i += 1
+                    continue
+                j = i
+                while j < n and blocks[j][0] in held:
+                    j += 1
+                run = blocks[i:j]
+                parent = blocks[i - 1][0] if i else None
+                run_seqs = [b[0] for b in run]
+                ev = _stored_event(run_seqs, parent, tokens[i * bs : j * bs].tolist(), "GPU", bs)
+                events.append(ev)
+                device.append(ev)
+                dyn.append((self._dynamo_stored(parent, run), len(run)))
+                stored_seqs += run_seqs
+                stored_idents += [b[2] for b in run]
+                nblocks += len(run)
+                i = j
+        if inst.pool_mode:
+            backend = self.backends[inst.index % len(self.backends)]
+            offload = [s for s in seqs if s not in backend.blocks]
+            if offload:
+                events.append(_stored_event(offload, None, [], "CPU", bs))
+                nblocks += len(offload)
+        else:
+            offload = []
+            host_added, host_evicted = _lru_admit(inst.host, seqs, self.host_blocks)
+            if host_evicted:
+                events.append(_removed_event(host_evicted, "CPU"))
+                nblocks += len(host_evicted)
+            if host_added:
+                events.append(_stored_event(host_added, None, [], "CPU", bs))
+                nblocks += len(host_added)
+        pool_record = self._confirm(backend, offload, ts) if offload else None
+        if pool_record is not None and self.rng.random() < self.confirm_first:
+            self.streams.records.append(pool_record)
+            pool_record = None
+        if events:
+            inst.seq += 1
+            headers = [*inst.headers, ("kv-seq", str(inst.seq).encode())]
+            self.streams.records.append(
+                Record(False, inst.key, headers, _mp([ts, events, 0]), ts, nblocks)
+            )
+        if pool_record is not None:
+            self.streams.records.append(pool_record)
+        if device:
+            dev_blocks = len(evicted) + len(stored_seqs)
+            self.streams.device_records.append(
+                Record(False, inst.key, inst.headers, _mp([ts, device, 0]), ts, dev_blocks)
+            )
+            for payload, count in dyn:
+                self.streams.dynamo.append((inst.index, payload, count))
+            self.streams.naive.append(
+                NaiveOp(
+                    inst.index,
+                    array("Q", evicted),
+                    array("Q", stored_seqs),
+                    array("Q", stored_idents),
+                )
+            )
+        self.streams.mark()
+
+    def _confirm(self, backend: PoolBackend, seqs: list[int], ts: float) -> Record:
+        """The pool backend stores an offload and says so (RFC #1527)."""
+        _, evicted = _lru_admit(backend.blocks, seqs, self.pool_blocks)
+        events: list[dict[str, object]] = []
+        if evicted:
+            backend.event_id += 1
+            events.append(self._pool_event(backend, "removed", evicted, ts))
+        backend.event_id += 1
+        events.append(self._pool_event(backend, "stored", seqs, ts))
+        payload = _mp([ts, events, 0])
+        return Record(
+            True, backend.name.encode(), self.pool_headers, payload, ts, len(seqs) + len(evicted)
+        )
+
+    def _pool_event(
+        self, backend: PoolBackend, kind: str, seqs: list[int], ts: float
+    ) -> dict[str, object]:
+        return {
+            "event_id": backend.event_id,
+            "timestamp": ts,
+            "event_type": kind,
+            "model_name": self.model,
+            "block_size": self.bs,
+            "additional_salt": None,
+            "lora_name": None,
+            "tenant_id": None,
+            "backend_id": backend.name,
+            "medium": "cpu",
+            "dp_rank": 0,
+            "seq_hashes": seqs,
+            "base_block_idx": None,
+            "parent_hash": None,
+            "token_ids": None,
+        }
+
+    def _dynamo_stored(self, parent: int | None, run: list[Block]) -> bytes:
+        self.dynamo_event_id += 1
+        blocks = [{"block_hash": b[0], "tokens_hash": b[1]} for b in run]
+        return _js(
+            {
+                "event_id": self.dynamo_event_id,
+                "data": {"stored": {"parent_hash": parent, "blocks": blocks}},
+                "dp_rank": 0,
+            }
+        )
+
+    def _dynamo_removed(self, seqs: list[int]) -> bytes:
+        self.dynamo_event_id += 1
+        return _js(
+            {
+                "event_id": self.dynamo_event_id,
+                "data": {"removed": {"block_hashes": seqs}},
+                "dp_rank": 0,
+            }
+        )

@@ -1,0 +1,425 @@
+"""Writing the report: JSON (everything), Markdown (tables), PNG (the curve)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# The issue's targets, checked against the measured medians.
+TARGET_APPLY = 1_000_000  # block events / s
+TARGET_P99_US = 300.0
+TARGET_BYTES = 100.0
+TARGET_RESTORE_S = 10.0
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    versions: dict[str, str | None] = {}
+    for pkg in ("msgspec", "xxhash", "ai-dynamo-runtime", "aiokafka"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "git": _git_rev(),
+        "packages": versions,
+        "loadavg_start": loadavg(),
+    }
+
+
+def loadavg() -> list[float] | None:
+    """1, 5, 15-minute load averages: other work on the machine skews figures."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _git_rev() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rev = out.stdout.strip()
+    return rev or None
+
+
+# ------------------------------------------------------------------ markdown
+
+
+def _n(x: Any, digits: int = 0) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float) and digits:
+        return f"{x:,.{digits}f}"
+    return f"{round(x):,}"
+
+
+def _ms(s: dict[str, Any] | None, digits: int = 0, scale: float = 1.0) -> str:
+    """'median (±spread%)' of a summary."""
+    if not s or s.get("median") is None:
+        return "n/a"
+    med = s["median"] * scale
+    text = f"{med:,.{digits}f}" if digits else f"{round(med):,}"
+    return f"{text} (±{s['spread_pct']:.1f}%)"
+
+
+def _ratio(s: dict[str, Any] | None) -> str:
+    if not s or s.get("median") is None:
+        return "n/a"
+    return f"{s['median']:.2f}x (±{s['spread_pct']:.1f}%)"
+
+
+def _met(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "**no**")
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the issue with the measured value and whether it is met."""
+    rows: list[dict[str, Any]] = []
+    apply = result.get("apply", {})
+    rate = apply.get("rate", {}).get("kvconductor", {}).get("median")
+    dyn_ratio = apply.get("ratio", {}).get("kvconductor-device/dynamo", {}).get("median")
+    rows.append(
+        {
+            "figure": "apply throughput (block events/s)",
+            "target": f">= {TARGET_APPLY:,} and ahead of Dynamo",
+            "measured": rate,
+            "vs_dynamo": dyn_ratio,
+            "met": None if rate is None else (rate >= TARGET_APPLY and (dyn_ratio or 0) > 1),
+        }
+    )
+    peers = result.get("scale", {}).get("peers", {})
+    kvc = peers.get("kvconductor", {})
+    ratios = result.get("scale", {}).get("ratio", {})
+    p99 = kvc.get("latency_us", {}).get("p99", {}).get("median")
+    lat_ratio = ratios.get("kvconductor/dynamo", {}).get("latency", {}).get("p99", {})
+    rows.append(
+        {
+            "figure": f"in-process query p99 at {_n(kvc.get('entries'))} entries (us)",
+            "target": f"< {TARGET_P99_US:.0f} and ahead of Dynamo",
+            "measured": p99,
+            "vs_dynamo": lat_ratio.get("median"),
+            "met": None
+            if p99 is None
+            else (p99 < TARGET_P99_US and (lat_ratio.get("median") or 0) > 1),
+        }
+    )
+    bpe = kvc.get("bytes_per_entry")
+    mem_ratio = ratios.get("kvconductor/dynamo", {}).get("memory")
+    rows.append(
+        {
+            "figure": "memory (bytes per (block, owner) entry)",
+            "target": f"<= {TARGET_BYTES:.0f} and below Dynamo",
+            "measured": bpe,
+            "vs_dynamo": mem_ratio,
+            "met": None if bpe is None else (bpe <= TARGET_BYTES and (mem_ratio or 0) > 1),
+        }
+    )
+    restore = result.get("restore", {})
+    total = restore.get("total_s", {}).get("median") if restore.get("measured") else None
+    rows.append(
+        {
+            "figure": f"restore from the snapshot topic at {_n(restore.get('entries'))} "
+            "entries (s)",
+            "target": f"< {TARGET_RESTORE_S:.0f}",
+            "measured": total,
+            "vs_dynamo": None,
+            "met": None if total is None else total < TARGET_RESTORE_S,
+        }
+    )
+    for name in ("http", "e2e"):
+        fig = result.get(name, {})
+        rows.append(
+            {
+                "figure": {"http": "HTTP query p99 / 8-client qps", "e2e": "end to end"}[name],
+                "target": {
+                    "http": "< 2 ms / > 3,000 qps",
+                    "e2e": ">= half apply rate, p99 < 50 ms",
+                }[name],
+                "measured": None,
+                "vs_dynamo": None,
+                "met": None,
+                "note": fig.get("reason"),
+            }
+        )
+    return rows
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    w = result["workload"]
+    lines = [
+        "# kvconductor benchmark report",
+        "",
+        f"Run {result['started']} ({result['mode']} mode, {result['elapsed_s']:.0f} s), "
+        f"git {m.get('git') or 'unknown'}.",
+        "",
+        f"Machine: {m['cpu'] or 'unknown CPU'}, {m['cores']} cores, "
+        f"{m['memory_bytes'] / 2**30:.1f} GiB, {m['os']}, {m['implementation']} {m['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v),
+        "",
+        _first_touch(m),
+        "",
+        f"Load average (1/5/15 min) at the start: {_load(m.get('loadavg_start'))}, at the end: "
+        f"{_load(m.get('loadavg_end'))} (on {m['cores']} cores: above that, the figures share "
+        "the CPU with other work).",
+        "",
+        f"Workload: seed {w['config']['seed']}, {w['config']['instances']} instances, "
+        f"{w['config']['gpu_blocks']:,} GPU blocks each (host tier or pool offload), "
+        f"block size {w['config']['block_size']}; {w['stats']['requests']:,} requests, "
+        f"{w['stats']['block_events']:,} block events ({w['stats']['device_block_events']:,} "
+        f"device-tier), {w['stats']['entries']:,} live entries "
+        f"({', '.join(f'{k} {v:,}' for k, v in w['stats']['entries_by_tier'].items())}).",
+        "",
+        "Medians over repeated runs, spread = half the min-max range. Ratios are "
+        "taken pair by pair within a run; above 1 means kvconductor is better.",
+        "",
+        "## Targets",
+        "",
+        "| figure | target | kvconductor | vs Dynamo | met |",
+        "|---|---|---|---|---|",
+    ]
+    for t in result["targets"]:
+        meas = t.get("note") if t["measured"] is None and t.get("note") else _n(t["measured"], 1)
+        vs = "n/a" if t["vs_dynamo"] is None else f"{t['vs_dynamo']:.2f}x"
+        lines.append(f"| {t['figure']} | {t['target']} | {meas} | {vs} | {_met(t['met'])} |")
+    apply = result.get("apply")
+    if apply:
+        lines += [
+            "",
+            "## 1. Apply throughput (one process, fresh index)",
+            "",
+            f"The first {apply['requests']:,} requests of the workload, "
+            f"{len(next(iter(apply['rate'].values()))['runs'])} runs per peer.",
+            "",
+            "| peer | block events | block events/s | vs dynamo |",
+            "|---|---|---|---|",
+        ]
+        for peer, s in apply["rate"].items():
+            ratio = apply["ratio"].get(f"{peer}/dynamo")
+            lines.append(
+                f"| {peer} | {apply['block_events'][peer]:,} | {_ms(s)} | {_ratio(ratio)} |"
+            )
+    scale = result.get("scale")
+    if scale:
+        lines += [
+            "",
+            "## 2-3. Build, memory and query latency at full size",
+            "",
+            "Query: 8,192-token prompts, hashing included, in-process.",
+            "",
+            "| peer | entries | build (block events/s) | bytes/entry "
+            "| p50 us | p99 us | p99.9 us |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for peer, r in scale["peers"].items():
+            lat = r["latency_us"]
+            lines.append(
+                f"| {peer} | {r['entries']:,} | {_n(r['build_rate'])} | "
+                f"{_n(r['bytes_per_entry'], 1)} | {_ms(lat['p50'])} | {_ms(lat['p99'])} | "
+                f"{_ms(lat['p99.9'])} |"
+            )
+        lines += ["", "| pair | p50 | p99 | p99.9 | memory | build |", "|---|---|---|---|---|---|"]
+        for pair, r in scale["ratio"].items():
+            lat = r["latency"]
+            mem = "n/a" if r["memory"] is None else f"{r['memory']:.2f}x"
+            build = "n/a" if r["build_rate"] is None else f"{r['build_rate']:.2f}x"
+            lines.append(
+                f"| {pair} | {_ratio(lat['p50'])} | {_ratio(lat['p99'])} | "
+                f"{_ratio(lat['p99.9'])} | {mem} | {build} |"
+            )
+        agree = scale.get("agreement") or {}
+        if agree:
+            checks = ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in agree.items() if k != "reference")
+            lines += [
+                "",
+                f"Device-tier answers identical to {agree['reference']}'s: {checks}.",
+            ]
+        errors = scale["peers"].get("dynamo", {}).get("apply_errors")
+        if errors:
+            lines.append(
+                f"Dynamo refused {errors:,} events (removals of blocks its tree had "
+                "already dropped with an evicted ancestor)."
+            )
+        lengths = _by_length_table(scale["peers"])
+        if lengths:
+            lines += ["", "### Query latency by prompt length (p50 / p99 us)", "", *lengths]
+    restore = result.get("restore") or {}
+    lines += ["", "## 5. Restore from the snapshot topic", ""]
+    if restore.get("measured"):
+        lines += [
+            f"{restore['entries']:,} entries, snapshot {restore['bytes']:,} bytes in "
+            f"{restore['records']:,} records ({restore['bytes'] / max(1, restore['entries']):.1f} "
+            f"bytes/entry), published in {restore['publish_s']:.2f} s.",
+            "",
+            "| step | seconds |",
+            "|---|---|",
+            f"| read topic | {_ms(restore['read_s'], 2)} |",
+            f"| rebuild index | {_ms(restore['restore_s'], 2)} |",
+            f"| total | {_ms(restore['total_s'], 2)} |",
+            "",
+            f"Restored index answers like the original: {restore['identical']}.",
+        ]
+    else:
+        lines.append(f"Not measured: {restore.get('reason', 'skipped')}.")
+    curve = result.get("curve") or []
+    if curve:
+        lines += [
+            "",
+            "## 6. Cost curve",
+            "",
+            "| entries (kvconductor) | peer | build (block events/s) | bytes/entry "
+            "| p50 us | p99 us |",
+            "|---|---|---|---|---|---|",
+        ]
+        for point in curve:
+            for peer, r in point["peers"].items():
+                lat = r["latency_us"]
+                lines.append(
+                    f"| {point['entries']:,} | {peer} | {_n(r['build_rate'])} | "
+                    f"{_n(r['bytes_per_entry'], 1)} | {_n(lat['p50']['median'])} | "
+                    f"{_n(lat['p99']['median'])} |"
+                )
+        if result.get("curve_note"):
+            lines += ["", result["curve_note"]]
+    lines += ["", "## Not measured yet", ""]
+    for name in ("http", "e2e"):
+        lines.append(f"- {name}: {result.get(name, {}).get('reason', 'n/a')}")
+    for note in result.get("notes") or []:
+        lines.append(f"- {note}")
+    return "\n".join(lines) + "\n"
+
+
+def _load(values: list[float] | None) -> str:
+    return "n/a" if not values else " / ".join(f"{v:.1f}" for v in values)
+
+
+def _first_touch(m: dict[str, Any]) -> str:
+    ft = m.get("first_touch")
+    if not ft:
+        return "Fresh memory was not pre-touched in this run."
+    return (
+        f"First touch of fresh memory on this machine: {ft['us_per_page']:.1f} us per page "
+        f"({ft['bytes'] / 2**30:.1f} GiB touched once in {ft['seconds']:.1f} s before "
+        "measuring, so that no figure pays the virtual machine's page backing)."
+    )
+
+
+def _by_length_table(peers: dict[str, Any]) -> list[str]:
+    lengths: list[str] = []
+    for r in peers.values():
+        for n in r.get("by_length", {}):
+            if n not in lengths:
+                lengths.append(n)
+    if not lengths:
+        return []
+    out = [
+        "| peer | " + " | ".join(f"{int(n):,} tokens" for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for peer, r in peers.items():
+        cells = []
+        for n in lengths:
+            p = r.get("by_length", {}).get(n)
+            cells.append("n/a" if p is None else f"{p['p50']:,.0f} / {p['p99']:,.0f}")
+        out.append(f"| {peer} | " + " | ".join(cells) + " |")
+    return out
+
+
+# --------------------------------------------------------------------- chart
+
+
+def chart(result: dict[str, Any], path: Path) -> bool:
+    """Latency and build rate against index size; False without matplotlib."""
+    try:
+        mpl = importlib.import_module("matplotlib")
+        mpl.use("Agg")
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        return False
+    curve = result.get("curve") or []
+    if not curve:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    peers: list[str] = []
+    for point in curve:
+        for peer in point["peers"]:
+            if peer not in peers:
+                peers.append(peer)
+    for peer in peers:
+        xs, p50, p99, rate = [], [], [], []
+        for point in curve:
+            r = point["peers"].get(peer)
+            if r is None:
+                continue
+            xs.append(point["entries"])
+            p50.append(r["latency_us"]["p50"]["median"])
+            p99.append(r["latency_us"]["p99"]["median"])
+            rate.append(r["build_rate"])
+        (line,) = ax1.plot(xs, p50, marker="o", label=f"{peer} p50")
+        ax1.plot(xs, p99, marker="x", linestyle="--", color=line.get_color(), label=f"{peer} p99")
+        ax2.plot(xs, rate, marker="o", label=peer)
+    ax1.axhline(TARGET_P99_US, color="grey", linewidth=0.8, linestyle=":")
+    ax2.axhline(TARGET_APPLY, color="grey", linewidth=0.8, linestyle=":")
+    for ax, title, unit in (
+        (ax1, "8,192-token query latency", "microseconds"),
+        (ax2, "build throughput", "block events / s"),
+    ):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("index size (kvconductor (block, owner) entries)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", linewidth=0.3)
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(result: dict[str, Any], out_dir: Path) -> dict[str, str]:
+    """Write report.json, report.md and report.png into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
+    paths["json"].write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
+    paths["md"].write_text(markdown(result))
+    png = out_dir / "report.png"
+    if chart(result, png):
+        paths["png"] = png
+    return {k: str(v) for k, v in paths.items()}

@@ -1,0 +1,259 @@
+"""The figures: each peer measured in a forked child of its own.
+
+- `apply_figure`: block events per second through each peer's apply path,
+  on the same first requests of the workload, fresh index per run, peers
+  interleaved run by run so that ratios are taken pair by pair.
+- `scale_figure`: each peer builds the whole workload's index (build rate),
+  resident-size delta per (block, owner) entry, then query latency for the
+  workload's 8,192-token prompts (hashing included), and the device-tier
+  answers of the first queries, which the runner compares across peers.
+- `length_curve` (inside the scale run): latency against prompt length.
+
+HTTP and end-to-end figures are not measured yet: see `http_figure` and
+`e2e_figure`, which say so in the report instead of giving a number.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench.measure import forked, percentile, settle, summary
+from bench.peers import Peer, make_peer, peer_items
+from bench.workload import Workload
+
+# The pairs whose ratio the report gives: (numerator, denominator). A ratio
+# above 1 means the first is better (faster, or smaller for memory).
+PAIRS = (
+    ("kvconductor-device", "dynamo"),
+    ("kvconductor", "dynamo"),
+    ("kvconductor-device", "naive"),
+    ("kvconductor", "naive"),
+)
+
+
+def _timed_apply(w: Workload, name: str, requests: int) -> dict[str, Any]:
+    peer = make_peer(name, w)
+    items = peer_items(peer, w, requests)
+    blocks = sum(peer.blocks(i) for i in items)
+    gc.collect()
+    gc.freeze()  # the workload is not the index's garbage to scan
+    started = time.perf_counter()
+    peer.apply(items)
+    _sync(peer)
+    seconds = time.perf_counter() - started
+    return {"blocks": blocks, "items": len(items), "seconds": seconds}
+
+
+def _sync(peer: Peer) -> None:
+    """Make sure a peer that applies in the background has caught up."""
+    if peer.name == "dynamo":
+        peer.query([0] * 16)
+
+
+def apply_figure(
+    w: Workload,
+    peers: Sequence[str],
+    block_events: int,
+    repeats: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Apply throughput over the first requests carrying `block_events`."""
+    requests = w.streams.requests_for(block_events)
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in peers}
+    for r in range(repeats):
+        for name in peers:
+            res = forked(lambda name=name: _timed_apply(w, name, requests))  # type: ignore[misc]
+            runs[name].append(res)
+            log(
+                f"  apply run {r + 1}/{repeats} {name}: {res['blocks']:,} block events "
+                f"in {res['seconds']:.2f} s = {res['blocks'] / res['seconds']:,.0f}/s"
+            )
+    rates = {p: [x["blocks"] / x["seconds"] for x in runs[p]] for p in peers}
+    return {
+        "requests": requests,
+        "block_events": {p: runs[p][0]["blocks"] for p in peers},
+        "rate": {p: summary(rates[p]) for p in peers},
+        "ratio": _ratios(rates, higher_is_better=True),
+    }
+
+
+def _ratios(per_run: dict[str, list[float]], higher_is_better: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a, b in PAIRS:
+        if a in per_run and b in per_run:
+            pairs = zip(per_run[a], per_run[b], strict=False)
+            vals = [(x / y if higher_is_better else y / x) for x, y in pairs if x and y]
+            out[f"{a}/{b}"] = summary(vals)
+    return out
+
+
+def _latencies(peer: Peer, prompts: Sequence[list[int]]) -> list[float]:
+    """Microseconds per query, in order."""
+    out: list[float] = []
+    clock = time.perf_counter_ns
+    query = peer.query
+    for tokens in prompts:
+        t0 = clock()
+        query(tokens)
+        out.append((clock() - t0) / 1000.0)
+    return out
+
+
+def _percentiles(lat: Sequence[float]) -> dict[str, float]:
+    s = sorted(lat)
+    return {"p50": percentile(s, 50), "p99": percentile(s, 99), "p99.9": percentile(s, 99.9)}
+
+
+def _scale_child(
+    w: Workload,
+    name: str,
+    queries: int,
+    rounds: int,
+    check: int,
+    lengths: Sequence[int],
+    after: Callable[[Peer], dict[str, Any]] | None,
+) -> dict[str, Any]:
+    peer = make_peer(name, w)
+    items = peer.items(w)
+    blocks = sum(peer.blocks(i) for i in items)
+    gc.collect()
+    gc.freeze()
+    rss0 = settle()
+    started = time.perf_counter()
+    peer.apply(items)
+    _sync(peer)
+    build_s = time.perf_counter() - started
+    rss1 = settle()
+    prompts = [q.tolist() for q in w.queries[:queries]]
+    _latencies(peer, prompts[: min(50, len(prompts))])  # warm-up
+    per_round = [_percentiles(_latencies(peer, prompts)) for _ in range(rounds)]
+    answers = [sorted(peer.gpu_blocks(peer.query(p)).items()) for p in prompts[:check]]
+    by_length: dict[str, dict[str, float]] = {}
+    for n in lengths:
+        cut = [p[:n] for p in prompts[: min(len(prompts), 300)]]
+        by_length[str(n)] = _percentiles(_latencies(peer, cut))
+    out: dict[str, Any] = {
+        "block_events": blocks,
+        "build_s": build_s,
+        "build_rate": blocks / build_s if build_s else None,
+        "rss_delta": rss1 - rss0,
+        "rounds": per_round,
+        "queries": len(prompts),
+        "answers": answers,
+        "by_length": by_length,
+    }
+    if hasattr(peer, "entries"):
+        out["entries_counted"] = peer.entries()
+    if hasattr(peer, "errors"):
+        out["apply_errors"] = peer.errors
+    if after is not None:
+        out["after"] = after(peer)
+    return out
+
+
+def scale_figure(
+    w: Workload,
+    peers: Sequence[str],
+    queries: int,
+    rounds: int,
+    naive_queries: int,
+    check: int = 200,
+    lengths: Sequence[int] = (),
+    after: dict[str, Callable[[Peer], dict[str, Any]]] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Build, memory and query latency of every peer on the whole workload."""
+    tiers = w.stats["entries_by_tier"]
+    results: dict[str, Any] = {}
+    for name in peers:
+        q, r = (min(queries, naive_queries), 1) if name == "naive" else (queries, rounds)
+        hook = (after or {}).get(name)
+        res = forked(
+            lambda name=name, q=q, r=r, hook=hook: _scale_child(  # type: ignore[misc]
+                w, name, q, r, check, lengths, hook
+            )
+        )
+        # Entries each index holds: the workload's live entries of the tiers
+        # the peer is fed (all of them for kvconductor, the device tier else).
+        entries = w.stats["entries"] if name == "kvconductor" else tiers["GPU"]
+        res["entries"] = entries
+        res["bytes_per_entry"] = res["rss_delta"] / entries if entries else None
+        res["latency_us"] = {
+            k: summary([x[k] for x in res["rounds"]]) for k in ("p50", "p99", "p99.9")
+        }
+        results[name] = res
+        lat = res["latency_us"]
+        log(
+            f"  scale {name}: {entries:,} entries built at {res['build_rate']:,.0f} block "
+            f"events/s, {res['bytes_per_entry']:.1f} B/entry, query p50 "
+            f"{lat['p50']['median']:.0f} us p99 {lat['p99']['median']:.0f} us"
+        )
+    return {
+        "peers": results,
+        "ratio": _scale_ratios(results),
+        "agreement": _agreement(results),
+    }
+
+
+def _scale_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a, b in PAIRS:
+        if a not in results or b not in results:
+            continue
+        ra, rb = results[a], results[b]
+        lat: dict[str, Any] = {}
+        for k in ("p50", "p99", "p99.9"):
+            xs = [x[k] for x in ra["rounds"]]
+            ys = [y[k] for y in rb["rounds"]]
+            if len(ys) == 1:  # a one-round peer: each round of `a` against it
+                ys = ys * len(xs)
+            lat[k] = summary([y / x for x, y in zip(xs, ys, strict=False) if x])
+        out[f"{a}/{b}"] = {
+            "latency": lat,
+            "memory": rb["bytes_per_entry"] / ra["bytes_per_entry"]
+            if ra["bytes_per_entry"]
+            else None,
+            "build_rate": ra["build_rate"] / rb["build_rate"] if rb["build_rate"] else None,
+        }
+    return out
+
+
+def _agreement(results: dict[str, Any]) -> dict[str, Any]:
+    """How many checked queries got the same device-tier answer per worker."""
+    names = [n for n in results if results[n].get("answers")]
+    if len(names) < 2:
+        return {}
+    base = names[0]
+    ref = results[base]["answers"]
+    out: dict[str, Any] = {"reference": base}
+    for name in names[1:]:
+        other = results[name]["answers"]
+        n = min(len(ref), len(other))
+        same = sum(1 for a, b in zip(ref[:n], other[:n], strict=True) if a == b)
+        out[name] = [same, n]  # identical answers, queries compared
+    return out
+
+
+def strip_answers(scale: dict[str, Any]) -> None:
+    """Drop the bulky per-query answers once they were compared."""
+    for res in scale["peers"].values():
+        res.pop("answers", None)
+
+
+def http_figure() -> dict[str, Any]:
+    # TODO(bench): HTTP latency (one client, then 8 concurrent) against the
+    # daemon's /query: start `tests.harness`-style daemon in-process on a
+    # local broker, load it with the workload through the engine topic, then
+    # drive POST /query with aiohttp clients. Reported as not measured until
+    # then; never a placeholder number.
+    return {"measured": False, "reason": "not implemented yet (TODO in bench/runners.py)"}
+
+
+def e2e_figure() -> dict[str, Any]:
+    # TODO(bench): produce the workload to the engine/pool topics of a local
+    # broker at a fixed rate and time produce-to-queryable through the
+    # daemon; sustained blocks/s and p99 at half that rate.
+    return {"measured": False, "reason": "not implemented yet (TODO in bench/runners.py)"}

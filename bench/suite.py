@@ -1,0 +1,254 @@
+"""One benchmark run: every figure, in order, into one result dict."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.measure import forked, summary, warm_memory
+from bench.peers import ALL_PEERS, Peer, dynamo_available
+from bench.runners import (
+    apply_figure,
+    e2e_figure,
+    http_figure,
+    scale_figure,
+    strip_answers,
+)
+from bench.workload import Workload, WorkloadConfig, generate
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Options:
+    mode: str = "default"
+    seed: int = 7
+    entries: int = 4_000_000  # index size of the query, memory, restore figures
+    apply_blocks: int = 1_000_000  # block events of the apply figure
+    repeats: int = 5
+    queries: int = 1000
+    query_rounds: int = 3
+    naive_queries: int = 200
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    curve: tuple[int, ...] = (100_000, 300_000, 1_000_000)
+    curve_queries: int = 300
+    restore: bool = True
+    restore_repeats: int = 3
+    warm_bytes: int = 3 << 30  # fresh memory touched once before measuring
+    peers: tuple[str, ...] = ALL_PEERS
+    trace: str | None = None
+    trace_limit: int | None = None
+    out: str = "bench-results"
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def quick(cls) -> Options:
+        return cls(
+            mode="quick",
+            entries=200_000,
+            apply_blocks=150_000,
+            repeats=3,
+            queries=300,
+            query_rounds=2,
+            naive_queries=100,
+            lengths=(1024, 8192),
+            curve=(50_000, 100_000),
+            curve_queries=150,
+            restore=False,  # the broker alone takes 15-40 s to start: --restore
+            restore_repeats=2,
+            warm_bytes=512 << 20,
+        )
+
+
+def _workload(opts: Options, entries: int, queries: int) -> Workload:
+    cfg = WorkloadConfig.for_entries(entries, seed=opts.seed, queries=queries)
+    if opts.trace:
+        from bench.trace import trace_workload
+
+        return trace_workload(Path(opts.trace), cfg, limit=opts.trace_limit)
+    return generate(cfg)
+
+
+def _peers(opts: Options, log: Log) -> tuple[str, ...]:
+    peers = opts.peers
+    if "dynamo" in peers:
+        why = dynamo_available()
+        if why is not None:
+            note = f"Dynamo's RadixTree not measured ({why}); install the bench extra"
+            log(note)
+            opts.notes.append(note)
+            peers = tuple(p for p in peers if p != "dynamo")
+    return peers
+
+
+@contextlib.contextmanager
+def _maybe_broker(opts: Options, log: Log) -> Iterator[str | None]:
+    if not opts.restore:
+        yield None
+        return
+    from bench.restore import local_broker
+
+    log("starting a local Kafka broker for the restore figure")
+    with contextlib.ExitStack() as stack:
+        try:
+            bootstrap: str | None = stack.enter_context(local_broker())
+        except Exception as exc:  # no Java, no jars: the rest still runs
+            bootstrap = None
+            note = f"restore not measured: the local broker did not start ({exc})"
+            log(note)
+            opts.notes.append(note)
+        yield bootstrap
+    if bootstrap is not None:
+        log("local Kafka broker stopped")
+
+
+def _restore_figure(
+    w: Workload, bootstrap: str, topic: str, published: dict[str, Any], opts: Options, log: Log
+) -> dict[str, Any]:
+    from bench.restore import restore_from_topic
+    from kvconductor.query_wire import TokenQuery
+
+    cfg = w.config
+    prompts = [q.tolist() for q in w.queries[: len(published["answers"])]]
+
+    def child() -> dict[str, Any]:
+        gc.collect()
+        gc.freeze()
+        index, timing = restore_from_topic(bootstrap, topic)
+        answers = [index.query(TokenQuery(cfg.model, cfg.block_size, p)) for p in prompts]
+        timing["identical"] = answers == published["answers"]
+        return timing
+
+    runs = []
+    for r in range(opts.restore_repeats):
+        res = forked(child)
+        runs.append(res)
+        log(
+            f"  restore run {r + 1}/{opts.restore_repeats}: read {res['read_s']:.2f} s + "
+            f"rebuild {res['restore_s']:.2f} s, identical answers: {res['identical']}"
+        )
+    return {
+        "measured": True,
+        "entries": w.stats["entries"],
+        "bytes": runs[0]["bytes"],
+        "records": runs[0]["records"],
+        "units": published["units"],
+        "publish_s": published["publish_s"],
+        "read_s": summary([r["read_s"] for r in runs]),
+        "restore_s": summary([r["restore_s"] for r in runs]),
+        "total_s": summary([r["total_s"] for r in runs]),
+        "identical": all(r["identical"] for r in runs),
+    }
+
+
+def _publish_hook(
+    w: Workload, bootstrap: str, topic: str, check: int
+) -> Callable[[Peer], dict[str, Any]]:
+    from bench.restore import publish_snapshot
+    from kvconductor.query_wire import TokenQuery
+
+    cfg = w.config
+
+    def hook(peer: Peer) -> dict[str, Any]:
+        conductor = peer.conductor  # type: ignore[attr-defined]
+        answers = [
+            conductor.query(TokenQuery(cfg.model, cfg.block_size, q.tolist()))
+            for q in w.queries[:check]
+        ]
+        out = publish_snapshot(conductor, bootstrap, topic)
+        out["answers"] = answers
+        return out
+
+    return hook
+
+
+def run(opts: Options, log: Log = print) -> dict[str, Any]:
+    started = time.time()
+    t0 = time.perf_counter()
+    peers = _peers(opts, log)
+    result: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "mode": opts.mode,
+        "options": asdict(opts),
+        "machine": report.machine(),
+        "peers": list(peers),
+    }
+    if opts.warm_bytes:
+        log(f"touching {opts.warm_bytes / 2**30:.1f} GiB of fresh memory once")
+        result["machine"]["first_touch"] = warm_memory(opts.warm_bytes)
+        log(f"  {result['machine']['first_touch']}")
+    log(f"generating the workload ({opts.entries:,} entries)")
+    w = _workload(opts, opts.entries, opts.queries)
+    result["workload"] = {"config": w.config.to_json(), "stats": w.stats}
+    log(f"  {w.stats}")
+
+    log(f"figure 1: apply throughput ({opts.apply_blocks:,} block events, {opts.repeats} runs)")
+    result["apply"] = apply_figure(w, peers, opts.apply_blocks, opts.repeats, log)
+
+    with _maybe_broker(opts, log) as bootstrap:
+        after: dict[str, Callable[[Peer], dict[str, Any]]] = {}
+        topic = ""
+        if bootstrap is not None and "kvconductor" in peers:
+            from bench.restore import new_topic
+
+            topic = new_topic()
+            after["kvconductor"] = _publish_hook(w, bootstrap, topic, 50)
+        log(f"figures 2-3: build, memory, query latency at {opts.entries:,} entries")
+        scale = scale_figure(
+            w,
+            peers,
+            opts.queries,
+            opts.query_rounds,
+            opts.naive_queries,
+            lengths=opts.lengths,
+            after=after,
+            log=log,
+        )
+        strip_answers(scale)
+        result["scale"] = scale
+        published = scale["peers"].get("kvconductor", {}).pop("after", None)
+        if bootstrap is not None and published is not None:
+            log("figure 5: restore from the snapshot topic")
+            result["restore"] = _restore_figure(w, bootstrap, topic, published, opts, log)
+        else:
+            reason = "skipped (--no-restore or --quick)" if not opts.restore else "no broker"
+            result["restore"] = {"measured": False, "reason": reason}
+
+    result["http"] = http_figure()
+    result["e2e"] = e2e_figure()
+
+    main_point = {"entries": w.stats["entries"], "peers": _curve_view(scale["peers"])}
+    del w
+    gc.collect()
+    curve = []
+    for size in opts.curve:
+        log(f"figure 6: cost curve at {size:,} entries")
+        wc = _workload(opts, size, opts.curve_queries)
+        sc = scale_figure(wc, peers, opts.curve_queries, 1, opts.naive_queries, log=log)
+        curve.append({"entries": wc.stats["entries"], "peers": _curve_view(sc["peers"])})
+        del wc
+        gc.collect()
+    curve.append(main_point)
+    result["curve"] = sorted(curve, key=lambda p: p["entries"])
+    if max((*opts.curve, opts.entries)) < 10_000_000:
+        result["curve_note"] = (
+            "10^7 entries is not in the default run: building it takes about 2.5x the 4M "
+            "run (generation, then each peer's build) and would push the run past 10 "
+            "minutes on a 2-core machine; `kvconductor bench --entries 10000000` runs it."
+        )
+    result["elapsed_s"] = time.perf_counter() - t0
+    result["machine"]["loadavg_end"] = report.loadavg()
+    result["targets"] = report.targets(result)
+    result["notes"] = opts.notes
+    return result
+
+
+def _curve_view(peers: dict[str, Any]) -> dict[str, Any]:
+    keep = ("entries", "build_rate", "bytes_per_entry", "latency_us")
+    return {name: {k: r[k] for k in keep} for name, r in peers.items()}

@@ -1,0 +1,96 @@
+"""`kvconductor bench`: the benchmark of issue 5 (see docs/benchmarks.md).
+
+The benchmark lives in the repository's `bench/` package; this module only
+parses the command line, runs `bench.suite` and writes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _import_bench() -> tuple[Any, Any]:
+    """`bench.suite` and `bench.report`, from a source checkout if needed."""
+    try:
+        return importlib.import_module("bench.suite"), importlib.import_module("bench.report")
+    except ImportError:
+        root = Path(__file__).resolve().parent.parent
+        if not (root / "bench" / "__init__.py").is_file():
+            raise
+        sys.path.insert(0, str(root))
+        return importlib.import_module("bench.suite"), importlib.import_module("bench.report")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(float(x)) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of sizes: {text!r}") from None
+    if any(s <= 0 for s in sizes):
+        raise argparse.ArgumentTypeError("sizes must be positive")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvconductor bench",
+        description="Benchmark kvconductor against NVIDIA Dynamo's RadixTree and a naive index.",
+    )
+    p.add_argument("--quick", action="store_true", help="a small run (about a minute)")
+    p.add_argument("--entries", type=int, help="index size of the query/memory/restore figures")
+    p.add_argument("--apply-blocks", type=int, help="block events in the apply figure")
+    p.add_argument("--repeats", type=int, help="runs per peer of the apply figure")
+    p.add_argument("--queries", type=int, help="queries per round")
+    p.add_argument("--curve", type=_sizes, help="cost-curve sizes, e.g. 1e5,3e5,1e6")
+    p.add_argument("--peers", help="comma-separated subset of the peers")
+    p.add_argument("--seed", type=int, help="workload seed")
+    p.add_argument("--trace", help="a Mooncake trace (JSON lines) instead of the generator")
+    p.add_argument("--trace-limit", type=int, help="replay only the first N trace requests")
+    p.add_argument("--no-restore", action="store_true", help="skip the broker and restore figure")
+    p.add_argument("--restore", action="store_true", help="measure restore even with --quick")
+    p.add_argument("--out", default="bench-results", help="report folder (default: %(default)s)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    suite, report = _import_bench()
+    opts = suite.Options.quick() if args.quick else suite.Options()
+    for name in ("entries", "apply_blocks", "repeats", "queries", "curve", "seed", "trace_limit"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(opts, name, value)
+    if args.peers:
+        opts.peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    if args.trace:
+        opts.trace = args.trace
+    if args.no_restore:
+        opts.restore = False
+    elif args.restore:
+        opts.restore = True
+    opts.out = args.out
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    result = suite.run(opts, log)
+    paths = report.write(result, Path(opts.out))
+    print(report.markdown(result))
+    for kind, path in paths.items():
+        log(f"wrote {kind}: {path}")
+    return 0
+
+
+def cli(args: argparse.Namespace) -> int:
+    """`kvconductor bench ...` from the main command line (arguments in `rest`)."""
+    rest: list[str] = args.rest
+    return main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

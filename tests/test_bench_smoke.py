@@ -1,0 +1,130 @@
+"""The benchmark at a tiny scale: workload shape and report shape only.
+
+No timing is asserted here, ever: the numbers belong to `kvconductor bench`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bench import report
+from bench.peers import dynamo_available
+from bench.suite import Options, run
+from bench.trace import trace_workload
+from bench.workload import WorkloadConfig, generate
+from consumers.engine_wire import decode_engine_payload
+from consumers.pool_wire import decode_pool_payload
+
+TINY = 12_000
+
+
+def _tiny_config(**kw: object) -> WorkloadConfig:
+    return WorkloadConfig.for_entries(
+        TINY,
+        queries=20,
+        system_prompts=3,
+        documents=8,
+        document_tokens=(256, 1024),
+        max_context_tokens=4096,
+        query_tokens=1024,
+        **kw,
+    )
+
+
+def test_generator_is_deterministic_and_decodable() -> None:
+    a = generate(_tiny_config())
+    b = generate(_tiny_config())
+    assert [r.payload for r in a.streams.records] == [r.payload for r in b.streams.records]
+    assert a.stats["entries"] >= TINY
+    assert a.stats["gpu_evictions"] > 0
+    kinds: set[str] = set()
+    for r in a.streams.records:
+        if r.pool:
+            for pev in decode_pool_payload(r.payload).events:
+                kinds.add(f"pool-{pev.event_type}")
+        else:
+            raw = msgspec.msgpack.decode(r.payload)
+            for ev in raw[1]:
+                kinds.add(f"{ev['type']}-{ev['medium']}")
+            decode_engine_payload(r.payload, "vllm")
+    assert {"BlockStored-GPU", "BlockRemoved-GPU", "BlockStored-CPU", "pool-stored"} <= kinds
+    assert all(len(q) == 1024 for q in a.queries)
+    # Every stream is cut at the same request boundaries.
+    assert len(a.streams.marks) == a.stats["requests"]
+
+
+def test_mooncake_trace_reader(tmp_path: Path) -> None:
+    lines = [
+        {"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "input_length": 1000, "output_length": 20, "hash_ids": [1, 2, 4]},
+        {"timestamp": 9, "input_length": 300, "output_length": 5, "hash_ids": [7]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    w = trace_workload(path, _tiny_config(instances=2))
+    assert w.stats["requests"] == 3
+    assert w.stats["block_events"] > 0
+
+
+def test_tiny_run_report_shape(tmp_path: Path) -> None:
+    peers = ["kvconductor", "kvconductor-device", "naive"]
+    if dynamo_available() is None:
+        peers.append("dynamo")
+    opts = Options(
+        mode="test",
+        entries=TINY,
+        apply_blocks=2_000,
+        repeats=2,
+        queries=20,
+        query_rounds=1,
+        naive_queries=20,
+        lengths=(256, 1024),
+        curve=(6_000,),
+        curve_queries=10,
+        restore=False,
+        warm_bytes=0,
+        peers=tuple(peers),
+    )
+    result = run(opts, log=lambda _line: None)
+    # The tiny fleet has short prompts: the figures only need their shape.
+    for key in ("machine", "workload", "apply", "scale", "restore", "curve", "targets"):
+        assert key in result
+    assert set(result["apply"]["rate"]) == set(peers)
+    for s in result["apply"]["rate"].values():
+        assert set(s) >= {"median", "min", "max", "spread_pct", "runs"}
+        assert len(s["runs"]) == 2
+    for name, r in result["scale"]["peers"].items():
+        assert name in peers
+        assert set(r["latency_us"]) == {"p50", "p99", "p99.9"}
+        assert r["entries"] > 0
+        assert "answers" not in r
+    assert (
+        result["scale"]["peers"]["kvconductor"]["entries_counted"]
+        == (result["workload"]["stats"]["entries"])
+    )
+    agree = result["scale"]["agreement"]
+    for name in peers[1:]:
+        same, compared = agree[name]
+        assert same == compared > 0, name
+    assert [p["entries"] for p in result["curve"]] == sorted(p["entries"] for p in result["curve"])
+    assert result["restore"]["measured"] is False
+    assert result["http"]["measured"] is False
+    paths = report.write(result, tmp_path / "out")
+    md = Path(paths["md"]).read_text()
+    for heading in ("## Targets", "## 1. Apply throughput", "## 6. Cost curve"):
+        assert heading in md
+    assert json.loads(Path(paths["json"]).read_text())["mode"] == "test"
+
+
+@pytest.mark.parametrize("argv", [["--help"]])
+def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from kvconductor.bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    assert "--quick" in capsys.readouterr().out
