@@ -1,0 +1,159 @@
+"""docker-compose.yml: valid against the Compose Specification's JSON schema, and
+every service that runs kvconductor runs a command (and options, and env vars)
+that the package really has.
+
+The schema is the one `check-jsonschema` vendors (`vendor.compose-spec`, from
+the compose-spec/compose-spec repository, Apache-2.0); the YAML is read with
+ruamel.yaml, which check-jsonschema depends on. Without check-jsonschema
+installed the tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvconductor.cli import build_parser
+from kvconductor.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE = REPO / "docker-compose.yml"
+# The Dockerfile copies the repository's config/ folder here.
+IMAGE_CONFIG_DIR = "/etc/kvconductor/"
+
+check_jsonschema = pytest.importorskip(
+    "check_jsonschema", reason="check-jsonschema (it ships the Compose schema) is not installed"
+)
+
+
+def compose_schema() -> dict[str, Any]:
+    path = Path(check_jsonschema.__file__).parent / "builtin_schemas/vendor/compose-spec.json"
+    schema: dict[str, Any] = json.loads(path.read_text())
+    return schema
+
+
+def load_compose(text: str | None = None) -> dict[str, Any]:
+    from ruamel.yaml import YAML
+
+    doc: dict[str, Any] = YAML(typ="safe").load(COMPOSE.read_text() if text is None else text)
+    return doc
+
+
+def schema_errors(doc: dict[str, Any]) -> list[str]:
+    import jsonschema  # type: ignore[import-untyped,unused-ignore]
+
+    schema = compose_schema()
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator = validator_cls(schema)
+    return sorted(
+        f"{'/'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(doc)
+    )
+
+
+def kvconductor_services() -> dict[str, dict[str, Any]]:
+    services: dict[str, dict[str, Any]] = load_compose()["services"]
+    return {
+        name: svc
+        for name, svc in services.items()
+        if isinstance(svc.get("command"), list) and svc["command"][:1] == ["kvconductor"]
+    }
+
+
+def test_compose_file_is_valid_against_the_compose_specification() -> None:
+    doc = load_compose()
+    assert schema_errors(doc) == []
+
+
+def test_the_schema_check_catches_a_broken_file() -> None:
+    doc = copy.deepcopy(load_compose())
+    doc["services"]["kvconductor"]["comand"] = ["typo"]
+    doc["services"]["kafka"]["healthcheck"]["test"] = {"not": "a command"}
+    errors = schema_errors(doc)
+    assert any("comand" in e for e in errors), errors
+    assert any(e.startswith("services/kafka/healthcheck/test") for e in errors), errors
+
+
+def test_stack_has_the_expected_services() -> None:
+    doc = load_compose()
+    services = doc["services"]
+    assert {"kafka", "topics", "kvconductor", "bridge", "engines"} <= set(services)
+    kafka = services["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    assert "broker,controller" in kafka["environment"]["KAFKA_PROCESS_ROLES"]  # KRaft
+    assert "kafka-broker-api-versions.sh" in " ".join(kafka["healthcheck"]["test"])
+    # The same Kafka release as the local broker of `kvconductor kafka-local`.
+    from kvconductor.kafka_local import kafka_version
+
+    assert kafka["image"] == f"apache/kafka:{kafka_version()}"
+    topics = services["topics"]
+    assert topics["restart"] == "no"
+    assert topics["depends_on"]["kafka"]["condition"] == "service_healthy"
+    script = topics["command"][0]
+    snapshot_line = next(
+        line for line in script.splitlines() if "KVCONDUCTOR_KAFKA_SNAPSHOT_TOPIC" in line
+    )
+    assert "$$compacted" in snapshot_line and "cleanup.policy=compact" in script
+    for name in ("kvconductor", "bridge"):
+        condition = services[name]["depends_on"]["topics"]["condition"]
+        assert condition == "service_completed_successfully"
+    # engines -> bridge -> Kafka: the engines register with the bridge service.
+    engines = services["engines"]["command"]
+    assert engines[engines.index("--via-bridge") + 1] == "http://bridge:8788"
+    assert "bridge" in services["engines"]["depends_on"]
+    bridge_port = services["bridge"]["environment"]["KVCONDUCTOR_BRIDGE_PORT"]
+    assert f"http://bridge:{bridge_port}" == engines[engines.index("--via-bridge") + 1]
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("kvconductor's parser has no subcommands")
+
+
+@pytest.mark.parametrize("service", ["kvconductor", "bridge", "engines"])
+def test_service_command_exists_in_the_package(service: str) -> None:
+    command = kvconductor_services()[service]["command"]
+    sub = command[1]
+    if sub not in _subcommands():
+        pytest.skip(f"`kvconductor {sub}` is not in kvconductor.cli yet (being built elsewhere)")
+    # Parses exactly as the container would run it: options must exist too.
+    args = build_parser().parse_args(command[1:])
+    assert args.command == sub
+    config = getattr(args, "config", None)
+    if config is not None:
+        assert config.startswith(IMAGE_CONFIG_DIR), config
+        local = REPO / "config" / config[len(IMAGE_CONFIG_DIR) :]
+        if not local.is_file():
+            pytest.skip(f"{local.relative_to(REPO)} (mounted as {config}) does not exist yet")
+
+
+@pytest.mark.parametrize("service", ["kvconductor", "engines"])
+def test_service_environment_is_a_valid_daemon_config(service: str) -> None:
+    svc = kvconductor_services()[service]
+    env = {k: str(v) for k, v in svc["environment"].items()}
+    assert all(k.startswith("KVCONDUCTOR_") for k in env)
+    try:
+        cfg = load_config(REPO / "config" / "kvconductor.toml", env)
+    except ConfigError as exc:  # pragma: no cover - the failure message is the point
+        pytest.fail(f"{service}: {exc}")
+    assert cfg.kafka.bootstrap_servers == "kafka:9092"
+
+
+def test_bridge_environment_is_a_valid_bridge_config() -> None:
+    try:
+        from kvconductor.bridge.config import load_bridge_config
+    except ImportError:
+        pytest.skip("kvconductor.bridge.config is not there yet (being built elsewhere)")
+    svc = kvconductor_services()["bridge"]
+    env = {k: str(v) for k, v in svc["environment"].items()}
+    cfg = load_bridge_config(None, env)
+    assert cfg.kafka.bootstrap_servers == "kafka:9092"
+    assert cfg.bridge.host == "0.0.0.0"
