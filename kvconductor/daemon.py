@@ -27,6 +27,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -56,6 +57,26 @@ POLL_TIMEOUT_MS = 200
 
 class FatalError(RuntimeError):
     """Stops the daemon with one clear line (fenced producer, bad topic)."""
+
+
+def _progress_log(every_s: float = 2.0) -> Callable[[int, int], None]:
+    """A restore's progress as a log line every few seconds (logs are JSON
+    lines for machines; a bar would only garble them)."""
+    started = last = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            log.info(
+                "restoring snapshot",
+                records=done,
+                of_about=total,
+                seconds=round(now - started, 1),
+            )
+
+    return progress
 
 
 def topic_specs(cfg: Config) -> list[TopicSpec]:
@@ -211,7 +232,7 @@ class Daemon:
             )
             await consumer.start()
             try:
-                return await read_snapshot(consumer, k.snapshot_topic)
+                return await read_snapshot(consumer, k.snapshot_topic, _progress_log())
             finally:
                 await consumer.stop()
 
