@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +44,7 @@ from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.metrics import Metrics
 from kvconductor.namespace_index import NamespaceKey
+from kvconductor.service import FatalError, serve_until_signalled
 from kvconductor.snapshot_store import SnapshotPublisher, SnapshotRead, read_snapshot
 from kvconductor.snapshots import UnitKey, drop_namespaces, restore, unit_namespace
 
@@ -53,10 +52,6 @@ log = structlog.get_logger("kvconductor.daemon")
 
 EXPIRE_EVERY_S = 1.0
 POLL_TIMEOUT_MS = 200
-
-
-class FatalError(RuntimeError):
-    """Stops the daemon with one clear line (fenced producer, bad topic)."""
 
 
 def _progress_log(every_s: float = 2.0) -> Callable[[int, int], None]:
@@ -544,23 +539,6 @@ class Daemon:
 async def run_daemon(cfg: Config) -> int:
     """The `kvconductor run` entry: signals, then the daemon until stopped."""
     daemon = Daemon(cfg)
-    loop = asyncio.get_running_loop()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            log.warning("second signal: exiting at once")
-            os._exit(130)
-        log.info("signal received: finishing the batch in hand, committing, closing")
-        daemon.stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        await daemon.run()
-    except FatalError as exc:
-        log.error(str(exc))
-        return 1
-    return 0
+    return await serve_until_signalled(
+        daemon.run, daemon.stop, "signal received: finishing the batch in hand, committing, closing"
+    )

@@ -493,7 +493,8 @@ async def _wait_running(daemon: Any, task: asyncio.Task[None], stop: asyncio.Eve
 
 
 async def demo(cfg: Config, args: argparse.Namespace, broker: Broker, out: IO[str]) -> int:
-    from kvconductor.daemon import Daemon, FatalError
+    from kvconductor.daemon import Daemon
+    from kvconductor.service import FatalError
 
     stop = asyncio.Event()
     _signals(stop, _cancel_main())

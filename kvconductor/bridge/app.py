@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,12 +35,9 @@ from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.daemon import topic_specs
+from kvconductor.service import FatalError, serve_until_signalled
 
 log = structlog.get_logger("kvconductor.bridge")
-
-
-class FatalError(RuntimeError):
-    """Stops the bridge with one clear line (a topic with the wrong settings)."""
 
 
 def bridge_topic_specs(cfg: BridgeConfig) -> list[TopicSpec]:
@@ -286,23 +281,6 @@ class Bridge:
 async def run_bridge(cfg: BridgeConfig) -> int:
     """The `kvconductor bridge` entry: signals, then the bridge until stopped."""
     bridge = Bridge(cfg)
-    loop = asyncio.get_running_loop()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            log.warning("second signal: exiting at once")
-            os._exit(130)
-        log.info("signal received: flushing buffered records, then stopping")
-        bridge.stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        await bridge.run()
-    except FatalError as exc:
-        log.error(str(exc))
-        return 1
-    return 0
+    return await serve_until_signalled(
+        bridge.run, bridge.stop, "signal received: flushing buffered records, then stopping"
+    )
