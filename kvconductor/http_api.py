@@ -155,34 +155,35 @@ class QueryApi:
         return await request.read()  # raises 413 past client_max_size when chunked
 
     async def query(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        start = perf_counter()
-        try:
-            try:
-                req = _token_decoder.decode(body)
-            except msgspec.ValidationError as exc:
-                raise ApiError(400, f"invalid query: {exc}") from None
-            except msgspec.DecodeError as exc:
-                raise ApiError(400, f"malformed JSON: {exc}") from None
-            answer = self._run(self.conductor.query, req)
-            return web.Response(body=_encoder.encode(answer), content_type=JSON)
-        finally:
-            self._latency_query.observe(perf_counter() - start)
+        return await self._answer(
+            request, _token_decoder, self.conductor.query, self._latency_query
+        )
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
+        return await self._answer(
+            request, _hash_decoder, self.conductor.query_by_hash, self._latency_hash
+        )
+
+    async def _answer(
+        self,
+        request: web.Request,
+        decoder: msgspec.json.Decoder[Any],
+        method: Callable[[Any], QueryResponse],
+        latency: Any,
+    ) -> web.Response:
         body = await self._body(request)
         start = perf_counter()
         try:
             try:
-                req = _hash_decoder.decode(body)
+                req = decoder.decode(body)
             except msgspec.ValidationError as exc:
                 raise ApiError(400, f"invalid query: {exc}") from None
             except msgspec.DecodeError as exc:
                 raise ApiError(400, f"malformed JSON: {exc}") from None
-            answer = self._run(self.conductor.query_by_hash, req)
+            answer = self._run(method, req)
             return web.Response(body=_encoder.encode(answer), content_type=JSON)
         finally:
-            self._latency_hash.observe(perf_counter() - start)
+            latency.observe(perf_counter() - start)
 
     @staticmethod
     def _run(fn: Callable[[Any], QueryResponse], req: TokenQuery | HashQuery) -> QueryResponse:
