@@ -430,14 +430,17 @@ def apply_units(index: Index, changes: dict[UnitKey, Unit | None]) -> None:
     newer generations wrote, the latest per unit key. Afterwards the index
     equals what `restore` would build from the topic as a whole, provided
     the units not in `changes` still hold what the index holds (the
-    publisher rewrites every unit whose state changed, and the pending unit
-    of a namespace whenever its pending halves or retired content changed).
+    publisher rewrites every unit whose state changed).
 
-    Per namespace: the changed owners' and pools' blocks (and, when the
-    pending unit changed, every pending half and retired entry) are taken
-    out first, releasing their catalog references, then the new states are
-    placed, pending last, as `restore` does. The pending and retired bounds
-    are lifted meanwhile, so a transient release never evicts anything."""
+    Per namespace touched: the changed owners' and pools' blocks, every
+    pending half and every retired entry are taken out first, releasing
+    their catalog references; then the new owner and pool states are
+    placed, and the pending state last, as `restore` does: the generation's
+    pending unit if it carries one, else the one the index held (unchanged
+    on the topic; an empty one is not written at all, so only this keeps
+    releases of the old blocks from lingering as retired content). The
+    pending and retired bounds are lifted meanwhile, so a transient release
+    never evicts anything."""
     by_ns: dict[NamespaceKey, list[tuple[UnitKey, Unit | None]]] = {}
     for key, unit in changes.items():
         kind = key[0]
@@ -487,7 +490,11 @@ def _apply_namespace(
         ns = index._namespace(ns_key)
         if ns is None:
             raise ValueError("snapshot holds more namespaces than index.max_namespaces")
-    pending_changed = any(key[0] == "q" for key, _ in changes)
+    pending: Unit | None = None
+    if any(key[0] == "q" for key, _ in changes):
+        pending = next(unit for key, unit in changes if key[0] == "q")
+    else:
+        pending = export_pending(index, ns_key)
     bounds = (ns.pending.max_entries, ns.retired.max_entries)
     ns.pending.max_entries = ns.retired.max_entries = sys.maxsize
     try:
@@ -506,10 +513,8 @@ def _apply_namespace(
                     for seq in list(store.blocks):
                         ns._unplace_pool(store, seq)
                     ns._drop_pool_if_empty(store)
-        if pending_changed:
-            _clear_pending(ns)
+        _clear_pending(ns)
         # In with the new, pending last (placing pool blocks consumes intents).
-        pending: PendingUnit | None = None
         for _, unit in changes:
             if isinstance(unit, OwnerUnit):
                 _restore_owner(ns, unit)
@@ -517,9 +522,7 @@ def _apply_namespace(
                 store = ns._pool(unit.backend, unit.medium, unit.tier)
                 ns._place_pool(store, _unpack(unit.seqs), _unpack(unit.idents))
                 ns._drop_pool_if_empty(store)
-            elif isinstance(unit, PendingUnit):
-                pending = unit
-        if pending is not None:
+        if isinstance(pending, PendingUnit):
             _restore_pending(ns, pending)
     finally:
         ns.pending.max_entries, ns.retired.max_entries = bounds

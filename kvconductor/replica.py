@@ -1,0 +1,599 @@
+"""Query replicas: the daemon's index, rebuilt and kept fresh in any process.
+
+    replica = Replica(cfg)                    # or Replica(bootstrap_servers=...)
+    await replica.start()                     # snapshot topic -> index
+    await replica.wait_caught_up(timeout=60)  # optional
+    replica.query(TokenQuery(model="m", block_size=16, token_ids=[...]))
+    await replica.stop()
+
+`start()` reads the snapshot topic (contract section 5) to its end and
+restores the index from it, exactly as the daemon does at start-up. Then the
+replica keeps fresh in one of two ways (`follow=`):
+
+- `"events"` (default): tail the engine and pool topics (or, in scale-out
+  mode, the repartitioned topic the daemons read) from the offsets the
+  snapshot records, with a group-less consumer, applying every record
+  through a `Conductor` exactly like the daemon. Partitions with no recorded
+  offset start at the beginning. The replica is then as fresh as the topics
+  and answers exactly like a daemon at the same offsets; it costs the
+  event-applying CPU of a daemon.
+- `"snapshots"`: keep reading the snapshot topic and apply each newer
+  generation's units (`snapshots.apply_units`). Cheaper (a generation
+  carries only changed units), and as fresh as the daemon's snapshot
+  interval; after each generation the index equals the daemon's at that
+  generation's offsets. The union of several daemons' generations (scale
+  out) arrives the same way.
+- `"none"`: restore once and stay put (tools, tests).
+
+A replica never writes to Kafka: no consumer group, no commits, no dead
+letters (records the index rejects are counted in the metrics and logged,
+as in the daemon; the daemon dead-letters them). `kvconductor replica
+--config FILE` serves the same HTTP API as the daemon from a replica, ready
+once caught up (`run_replica`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from typing import Any, Literal
+
+import msgspec
+import structlog
+from aiohttp import web
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from consumers.dead_letters import DeadLetterWriter
+from consumers.event_consumer import EventConsumer
+from kvconductor.config import Config, kafka_client_options, reveal
+from kvconductor.core import Conductor
+from kvconductor.http_api import make_app
+from kvconductor.index import Index, IndexLimits
+from kvconductor.metrics import Metrics
+from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
+from kvconductor.snapshot_store import SnapshotRead, read_snapshot
+from kvconductor.snapshots import (
+    SCHEMA_VERSION,
+    GenerationUnit,
+    Unit,
+    UnitKey,
+    UnitValue,
+    apply_units,
+    decode_unit,
+    restore,
+)
+
+log = structlog.get_logger("kvconductor.replica")
+
+Follow = Literal["events", "snapshots", "none"]
+FOLLOW_MODES: tuple[Follow, ...] = ("events", "snapshots", "none")
+
+POLL_TIMEOUT_MS = 200
+EXPIRE_EVERY_S = 1.0  # as the daemon: age out pending halves by event time
+
+_key_decoder = msgspec.msgpack.Decoder(list[Any])
+_value_decoder = msgspec.msgpack.Decoder(UnitValue)
+
+
+class ReplicaError(RuntimeError):
+    """The replica cannot start (a topic is missing, it was started twice)."""
+
+
+class _NoDeadLetters(DeadLetterWriter):
+    """Read-only: rejected records are counted and logged, never re-published."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__(None, "", metrics)
+
+    async def send(self, record: Any, kind: str, reason: str) -> None:
+        return None
+
+    async def flush(self) -> None:
+        return None
+
+
+class _UpToEnds:
+    """A consumer seen through `read_snapshot` that keeps the end offsets it
+    took up front, and never hands out records at or past them.
+
+    Past those ends a generation committed while the reader reads may be cut
+    in half by a fetch (or `getmany`'s record limit); its units would then be
+    restored with the previous generation's offsets, and events applied on
+    top twice. (`read_snapshot` skips them itself now; the filter stays as a
+    guard.) The ends are what a follower continues from."""
+
+    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+        self._consumer = consumer
+        self.ends: dict[TopicPartition, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+    async def end_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        ends: dict[TopicPartition, int] = await self._consumer.end_offsets(partitions)
+        self.ends.update(ends)
+        return ends
+
+    async def getmany(self, *partitions: TopicPartition, **kwargs: Any) -> dict[Any, list[Any]]:
+        batch: dict[Any, list[Any]] = await self._consumer.getmany(*partitions, **kwargs)
+        ends = self.ends
+        return {
+            tp: [r for r in records if tp not in ends or r.offset < ends[tp]]
+            for tp, records in batch.items()
+        }
+
+
+async def read_snapshot_to_end(consumer: AIOKafkaConsumer, topic: str) -> SnapshotRead:
+    """`read_snapshot`, exactly up to the end offsets taken when it starts,
+    so the result is whole generations only even while daemons publish; the
+    consumer is left positioned at those ends, to follow from there.
+
+    The consumer must be started, with no group, `read_committed`."""
+    bounded = _UpToEnds(consumer)
+    read = await read_snapshot(bounded, topic)
+    for tp, end in bounded.ends.items():
+        consumer.seek(tp, end)
+    return read
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
+    parts = consumer.partitions_for_topic(topic)
+    if not parts:
+        await consumer._client.force_metadata_update()
+        parts = consumer.partitions_for_topic(topic)
+    if not parts:
+        raise ReplicaError(f"topic {topic!r} has no partitions in the broker's metadata")
+    return sorted(parts)
+
+
+class Replica:
+    """An in-process copy of the daemon's index, rebuilt from Kafka.
+
+    Pass the daemon's `Config` (only `[kafka]` and `[index]` are used), or
+    leave it out and name the broker and topics; keyword arguments override
+    the config's values. Queries run on the caller's event loop thread, like
+    the updates, so they always see a consistent index."""
+
+    def __init__(
+        self,
+        cfg: Config | None = None,
+        *,
+        follow: Follow = "events",
+        bootstrap_servers: str | None = None,
+        snapshot_topic: str | None = None,
+        engine_topic: str | None = None,
+        pool_topic: str | None = None,
+        client_id: str | None = None,
+        limits: IndexLimits | None = None,
+    ) -> None:
+        if follow not in FOLLOW_MODES:
+            raise ValueError(f"follow must be one of {FOLLOW_MODES}, got {follow!r}")
+        cfg = cfg if cfg is not None else Config()
+        overrides = {
+            name: value
+            for name, value in (
+                ("bootstrap_servers", bootstrap_servers),
+                ("snapshot_topic", snapshot_topic),
+                ("engine_topic", engine_topic),
+                ("pool_topic", pool_topic),
+                ("client_id", client_id),
+            )
+            if value is not None
+        }
+        if overrides:
+            cfg = msgspec.structs.replace(
+                cfg, kafka=msgspec.structs.replace(cfg.kafka, **overrides)
+            )
+        self.cfg = cfg
+        self.follow: Follow = follow
+        self.limits = limits if limits is not None else cfg.index
+        self.conductor = Conductor(self.limits)
+        self.metrics = Metrics(self.conductor)
+        # The generation restored, then the newest applied (follow="snapshots").
+        self.generation = 0
+        self.restored: SnapshotRead | None = None
+        self.status = "not started"
+        self.error: BaseException | None = None
+        self._offsets: dict[TopicPartition, int] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._events: EventConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._kafka_ok = True
+        self._caught_up = False
+        # follow="snapshots": records read but not applied yet, and units
+        # still missing chunks.
+        self._buffer: list[tuple[UnitKey, int, UnitValue | None]] = []
+        self._cut = 0
+        self._pieces: dict[UnitKey, dict[int, UnitValue | None]] = {}
+        self._incomplete_logged = 0.0
+
+    # ------------------------------------------------------------ queries
+
+    def query(self, req: TokenQuery) -> QueryResponse:
+        """The contract's answer for a prompt's tokens (section 4)."""
+        return self.conductor.query(req)
+
+    def query_by_hash(self, req: HashQuery) -> QueryResponse:
+        """The contract's answer for a prompt named by engine block hashes."""
+        return self.conductor.query_by_hash(req)
+
+    @property
+    def index(self) -> Index:
+        return self.conductor.index
+
+    def offsets(self) -> dict[TopicPartition, int]:
+        """Per source partition, the next offset to read: the index reflects
+        every record before it. follow="events": the engine and pool (or
+        repartitioned) partitions this replica tails; "snapshots"/"none": the
+        offsets recorded by the newest generation applied."""
+        return dict(self._offsets)
+
+    @property
+    def caught_up(self) -> bool:
+        """Has the replica once reached the end of what it follows?"""
+        if self._events is not None:
+            return self._events.caught_up
+        return self._caught_up
+
+    def ready(self) -> tuple[bool, str]:
+        """(ready, reason), for a readiness probe: started, Kafka reachable,
+        caught up."""
+        if self.error is not None:
+            return False, f"failed: {type(self.error).__name__}: {self.error}"
+        if self.status != "running":
+            return False, self.status
+        if not self._kafka_ok:
+            return False, "kafka unavailable"
+        if not self.caught_up:
+            return False, "catching up"
+        return True, "ready"
+
+    async def wait_caught_up(self, timeout: float | None = None) -> None:
+        """Wait until `caught_up`; raises TimeoutError after `timeout` seconds
+        and the follower's error if it failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.caught_up:
+            if self.error is not None:
+                raise ReplicaError(f"replica failed: {self.error}") from self.error
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"replica not caught up after {timeout}s")
+            await asyncio.sleep(0.05)
+
+    # ---------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> Replica:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _consumer_options(self, suffix: str) -> dict[str, Any]:
+        k = self.cfg.kafka
+        return {
+            "bootstrap_servers": k.bootstrap_servers,
+            "client_id": f"{k.client_id}-{suffix}",
+            "group_id": None,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "isolation_level": "read_committed",
+            **kafka_client_options(k),
+        }
+
+    async def start(self) -> None:
+        """Restore from the snapshot topic, then follow in the background.
+
+        All or nothing: on failure (the topic does not exist yet, Kafka is
+        unreachable) the index stays empty and `start()` may be retried."""
+        if self._task is not None or self._consumer is not None:
+            raise ReplicaError("replica already started")
+        k = self.cfg.kafka
+        self.status = "restoring snapshot"
+        consumer = AIOKafkaConsumer(**self._consumer_options("replica"), fetch_max_wait_ms=100)
+        try:
+            await consumer.start()
+            if k.snapshot_topic not in await consumer.topics():
+                raise ReplicaError(f"snapshot topic {k.snapshot_topic!r} does not exist")
+            read = await read_snapshot_to_end(consumer, k.snapshot_topic)
+            index = Index(self.limits)
+            restore(index, read.units)
+            self.conductor.index = index
+            self.restored = read
+            self.generation = read.generation
+            self._offsets = dict(read.offsets)
+            log.info(
+                "snapshot restored",
+                topic=k.snapshot_topic,
+                generation=read.generation,
+                units=len(read.units),
+                records=read.records,
+                bytes=read.bytes,
+                seconds=round(read.seconds, 3),
+                skipped=read.skipped,
+                follow=self.follow,
+            )
+            if self.follow == "snapshots":
+                self._consumer = consumer
+                self._caught_up = True
+                self._task = asyncio.create_task(self._follow_snapshots(consumer))
+            else:
+                await consumer.stop()
+                if self.follow == "events":
+                    await self._start_events(read)
+                else:
+                    self._caught_up = True
+        except BaseException:
+            self.status = "not started"
+            self.conductor.index = Index(self.limits)
+            self._offsets = {}
+            task, self._task = self._task, None
+            if task is not None:
+                task.cancel()
+            for client in {consumer, self._consumer} - {None}:
+                with contextlib.suppress(Exception):
+                    await client.stop()
+            self._consumer = None
+            self._events = None
+            raise
+        self.status = "running"
+
+    async def stop(self) -> None:
+        """Stop following and close the Kafka client (the index stays queryable)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+        if self.status == "running":
+            self.status = "stopped"
+
+    # ------------------------------------------------------ follow events
+
+    async def _start_events(self, read: SnapshotRead) -> None:
+        k = self.cfg.kafka
+        internal = k.repartition_topic if k.repartition else None
+        topics = [internal] if internal is not None else [k.engine_topic, k.pool_topic]
+        consumer = AIOKafkaConsumer(
+            **self._consumer_options("replica-events"),
+            max_partition_fetch_bytes=4 * 1024 * 1024,
+        )
+        self._consumer = consumer
+        await consumer.start()
+        existing = await consumer.topics()
+        missing = [t for t in topics if t not in existing]
+        if missing:
+            raise ReplicaError(f"topics {missing} do not exist")
+        tps = [TopicPartition(t, p) for t in topics for p in await _partitions(consumer, t)]
+        consumer.assign(tps)
+        beginnings = await consumer.beginning_offsets(tps)
+        offsets: dict[TopicPartition, int] = {}
+        for tp in tps:
+            start = read.offsets.get(tp)
+            first = beginnings[tp]
+            if start is None:
+                start = first
+            elif start < first:
+                log.error(
+                    "the snapshot's offset was deleted by retention: records between were "
+                    "never applied; continuing from the oldest record that exists",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    snapshot_offset=start,
+                    oldest_offset=first,
+                    lost=first - start,
+                )
+                self.conductor.counters["offsets_lost_to_retention"] += first - start
+                start = first
+            consumer.seek(tp, start)
+            offsets[tp] = start
+        foreign = sorted(f"{tp.topic}/{tp.partition}" for tp in read.offsets if tp not in offsets)
+        if foreign:
+            log.warning(
+                "the snapshot records offsets of partitions this replica does not tail "
+                "(different topics or kafka.repartition than the daemon?)",
+                partitions=foreign[:20],
+            )
+        self._offsets = offsets
+        self._events = EventConsumer(
+            consumer,
+            self.conductor,
+            self.metrics,
+            _NoDeadLetters(self.metrics),
+            k.engine_topic,
+            k.pool_topic,
+            k.fetch_max_records,
+            internal,
+        )
+        # Where each partition's next record is expected (as the daemon's
+        # assignment hook sets it): anything below is never applied.
+        self._events.applied_offsets.update(offsets)
+        self._task = asyncio.create_task(self._follow_events(self._events))
+
+    async def _follow_events(self, events: EventConsumer) -> None:
+        last_expire = time.monotonic()
+        while True:
+            try:
+                await events.poll(POLL_TIMEOUT_MS)
+                self._kafka_ok = True
+            except KafkaError as exc:
+                self._kafka_ok = False
+                log.warning("kafka error while following events; retrying", error=str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            except Exception as exc:
+                self.error = exc
+                log.exception("replica stopped following events")
+                raise
+            self._offsets.update(events.applied_offsets)
+            now = time.monotonic()
+            if now - last_expire >= EXPIRE_EVERY_S:
+                self.conductor.expire(self.conductor.index.now)
+                last_expire = now
+
+    # --------------------------------------------------- follow snapshots
+
+    async def _follow_snapshots(self, consumer: AIOKafkaConsumer) -> None:
+        tps = sorted(consumer.assignment())
+        while True:
+            try:
+                batch = await consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=10_000)
+                for records in batch.values():
+                    for record in records:
+                        self._take(record)
+                at_end = True
+                for tp in tps:
+                    end = consumer.last_stable_offset(tp)
+                    if end is None or end < 0:
+                        end = consumer.highwater(tp)
+                    if end is None or await consumer.position(tp) < end:
+                        at_end = False
+                self._kafka_ok = True
+            except KafkaError as exc:
+                self._kafka_ok = False
+                log.warning("kafka error while following snapshots; retrying", error=str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            try:
+                self._apply_buffered(at_end)
+            except Exception as exc:
+                self.error = exc
+                log.exception("replica stopped following snapshots")
+                raise
+
+    def _take(self, record: Any) -> None:
+        try:
+            key = _key_decoder.decode(record.key)
+            value = None if record.value is None else _value_decoder.decode(record.value)
+        except (msgspec.DecodeError, TypeError):
+            log.error("undecodable snapshot record skipped", offset=record.offset)
+            return
+        if len(key) < 2 or not isinstance(key[-1], int):
+            log.error("snapshot record with a malformed key skipped", offset=record.offset)
+            return
+        unit_key: UnitKey = tuple(key[:-1])
+        self._buffer.append((unit_key, key[-1], value))
+        if unit_key[0] == "g":
+            # Generation records close a generation's transaction: everything
+            # read so far is whole generations (or whole units of others').
+            self._cut = len(self._buffer)
+
+    def _apply_buffered(self, at_end: bool) -> None:
+        """Apply the units completed by whole generations read so far.
+
+        The boundary is the last generation record read, or everything when
+        the reader stands at the partition's last stable offset (no
+        transaction is half read). A unit applies once all its chunks of one
+        generation are in; tombstoned chunk 0 means the unit is gone."""
+        cut = len(self._buffer) if at_end else self._cut
+        if cut == 0:
+            return
+        window, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        self._cut = 0
+        pieces = self._pieces
+        for unit_key, chunk, value in window:
+            pieces.setdefault(unit_key, {})[chunk] = value
+        changes: dict[UnitKey, Unit | None] = {}
+        for unit_key, by_chunk in list(pieces.items()):
+            if 0 not in by_chunk:
+                if all(v is None for v in by_chunk.values()):
+                    del pieces[unit_key]  # leftover chunks of a shrunk unit
+                continue
+            head = by_chunk[0]
+            if head is None:
+                changes[unit_key] = None
+                del pieces[unit_key]
+                continue
+            parts = [by_chunk.get(c) for c in range(head.chunks)]
+            if any(p is None or p.generation != head.generation for p in parts):
+                continue  # more chunks to come
+            del pieces[unit_key]
+            if head.v > SCHEMA_VERSION:
+                log.error(
+                    "snapshot unit of a newer schema skipped: upgrade this reader",
+                    key=repr(unit_key),
+                    schema=head.v,
+                )
+                continue
+            try:
+                changes[unit_key] = decode_unit(b"".join(p.data for p in parts if p is not None))
+            except msgspec.DecodeError:
+                log.error("undecodable snapshot unit skipped", key=repr(unit_key))
+        if at_end and pieces:
+            now = time.monotonic()
+            if now - self._incomplete_logged > 60:
+                self._incomplete_logged = now
+                log.warning("snapshot units with missing chunks wait", units=len(pieces))
+        if not changes:
+            return
+        apply_units(self.conductor.index, changes)
+        for unit in changes.values():
+            if isinstance(unit, GenerationUnit):
+                self.generation = max(self.generation, unit.generation)
+                for topic, partition, offset in unit.offsets:
+                    self._offsets[TopicPartition(topic, partition)] = offset
+
+
+# ------------------------------------------------------------- the server
+
+
+async def run_replica(cfg: Config, follow: Follow = "events") -> int:
+    """The `kvconductor replica` entry: a read-only query server.
+
+    Serves the daemon's HTTP API from a `Replica`: /health at once, /ready
+    once the replica has restored and caught up. Retries start-up with
+    backoff while Kafka or the topics are missing; SIGTERM or SIGINT stops it."""
+    replica = Replica(cfg, follow=follow)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    http = cfg.http
+    app = make_app(
+        replica.conductor,
+        replica.metrics,
+        ready=replica.ready,
+        max_body_bytes=http.max_body_bytes,
+        auth_token=reveal(http.auth_token),
+    )
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, http.host, http.port)
+        await site.start()
+        server: Any = site._server
+        port = server.sockets[0].getsockname()[1]
+        log.info("replica http listening", host=http.host, port=port, follow=follow)
+        delay = 0.5
+        while not stopping.is_set():
+            try:
+                await replica.start()
+                break
+            except (KafkaError, OSError, ReplicaError) as exc:
+                replica.status = f"waiting for kafka: {exc}"
+                log.warning("replica cannot start yet; retrying", error=str(exc), retry_in_s=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), delay)
+            delay = min(delay * 2, 10.0)
+        await stopping.wait()
+        log.info("signal received: stopping the replica")
+    finally:
+        await replica.stop()
+        await runner.cleanup()
+    return 1 if replica.error is not None else 0
+
+
+__all__ = [
+    "FOLLOW_MODES",
+    "Follow",
+    "Replica",
+    "ReplicaError",
+    "read_snapshot_to_end",
+    "run_replica",
+]
