@@ -36,6 +36,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 
 from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
+from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
 from consumers.routing import group_key, group_partition
 from consumers.topics import TopicSpec, ensure_topics
@@ -298,30 +299,9 @@ class Daemon:
         consumer = events.consumer
         if self.cfg.kafka.repartition:
             await self._take_over(assigned)
-        starts = {tp: self._state_offsets.get(tp) for tp in assigned}
-        beginnings = await consumer.beginning_offsets(list(assigned))
-        positions: dict[TopicPartition, int] = {}
-        for tp, start in starts.items():
-            first = beginnings[tp]
-            if start is None:
-                consumer.seek(tp, first)
-                positions[tp] = first
-                continue
-            if start < first:
-                log.error(
-                    "the snapshot's offset was deleted by retention: records between were "
-                    "never applied; rebuilding from the oldest record that exists",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    snapshot_offset=start,
-                    oldest_offset=first,
-                    lost=first - start,
-                )
-                self.conductor.counters["offsets_lost_to_retention"] += first - start
-                start = first
-            consumer.seek(tp, start)
-            positions[tp] = start
-        return positions
+        return await resume_positions(
+            consumer, assigned, self._state_offsets, self.conductor.counters
+        )
 
     async def _on_revoke(self, revoked: set[TopicPartition]) -> None:
         # Hand over what was applied before another daemon takes the partitions.

@@ -9,6 +9,7 @@ bound evicts from the head and the age bound expires from the head.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -20,6 +21,8 @@ INTENT = "i"  # ("i", seq): offload-intent content pinned for a pool confirmatio
 RETIRED = "r"  # ("r", seq): content no tier holds any more, kept for late halves
 
 PendingKey = tuple[Any, ...]
+
+_changes = itertools.count(1)
 
 
 class PendingQueue:
@@ -39,7 +42,9 @@ class PendingQueue:
         self.max_entries = max_entries
         self.max_age_s = max_age_s
         self.by_kind: dict[str, int] = {WAITING: 0, UNRESOLVED: 0, INTENT: 0, RETIRED: 0}
-        # Bumped on every change, so a snapshot knows whether to publish it.
+        # A fresh number from one process-wide sequence on every change, so a
+        # snapshot knows whether to publish it, even when the namespace was
+        # dropped and created again meanwhile.
         self.version = 0
 
     def __len__(self) -> int:
@@ -58,7 +63,7 @@ class PendingQueue:
             return False
         entries[key] = ts
         self.by_kind[key[0]] += 1
-        self.version += 1
+        self.version = next(_changes)
         while len(entries) > self.max_entries:
             oldest, _ = entries.popitem(last=False)
             self._dropped(oldest, "count")
@@ -68,7 +73,7 @@ class PendingQueue:
         if self._entries.pop(key, None) is None:
             return False
         self.by_kind[key[0]] -= 1
-        self.version += 1
+        self.version = next(_changes)
         return True
 
     def expire(self, now: float) -> None:
@@ -84,5 +89,5 @@ class PendingQueue:
 
     def _dropped(self, key: PendingKey, why: str) -> None:
         self.by_kind[key[0]] -= 1
-        self.version += 1
+        self.version = next(_changes)
         self._on_drop(key, why)

@@ -48,6 +48,7 @@ from aiokafka.errors import KafkaError
 
 from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
+from consumers.positions import resume_positions
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
@@ -93,50 +94,6 @@ class _NoDeadLetters(DeadLetterWriter):
 
     async def flush(self) -> None:
         return None
-
-
-class _UpToEnds:
-    """A consumer seen through `read_snapshot` that keeps the end offsets it
-    took up front, and never hands out records at or past them.
-
-    Past those ends a generation committed while the reader reads may be cut
-    in half by a fetch (or `getmany`'s record limit); its units would then be
-    restored with the previous generation's offsets, and events applied on
-    top twice. (`read_snapshot` skips them itself now; the filter stays as a
-    guard.) The ends are what a follower continues from."""
-
-    def __init__(self, consumer: AIOKafkaConsumer) -> None:
-        self._consumer = consumer
-        self.ends: dict[TopicPartition, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._consumer, name)
-
-    async def end_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
-        ends: dict[TopicPartition, int] = await self._consumer.end_offsets(partitions)
-        self.ends.update(ends)
-        return ends
-
-    async def getmany(self, *partitions: TopicPartition, **kwargs: Any) -> dict[Any, list[Any]]:
-        batch: dict[Any, list[Any]] = await self._consumer.getmany(*partitions, **kwargs)
-        ends = self.ends
-        return {
-            tp: [r for r in records if tp not in ends or r.offset < ends[tp]]
-            for tp, records in batch.items()
-        }
-
-
-async def read_snapshot_to_end(consumer: AIOKafkaConsumer, topic: str) -> SnapshotRead:
-    """`read_snapshot`, exactly up to the end offsets taken when it starts,
-    so the result is whole generations only even while daemons publish; the
-    consumer is left positioned at those ends, to follow from there.
-
-    The consumer must be started, with no group, `read_committed`."""
-    bounded = _UpToEnds(consumer)
-    read = await read_snapshot(bounded, topic)
-    for tp, end in bounded.ends.items():
-        consumer.seek(tp, end)
-    return read
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
@@ -297,7 +254,7 @@ class Replica:
             await consumer.start()
             if k.snapshot_topic not in await consumer.topics():
                 raise ReplicaError(f"snapshot topic {k.snapshot_topic!r} does not exist")
-            read = await read_snapshot_to_end(consumer, k.snapshot_topic)
+            read = await read_snapshot(consumer, k.snapshot_topic)
             index = Index(self.limits)
             restore(index, read.units)
             self.conductor.index = index
@@ -372,27 +329,7 @@ class Replica:
             raise ReplicaError(f"topics {missing} do not exist")
         tps = [TopicPartition(t, p) for t in topics for p in await _partitions(consumer, t)]
         consumer.assign(tps)
-        beginnings = await consumer.beginning_offsets(tps)
-        offsets: dict[TopicPartition, int] = {}
-        for tp in tps:
-            start = read.offsets.get(tp)
-            first = beginnings[tp]
-            if start is None:
-                start = first
-            elif start < first:
-                log.error(
-                    "the snapshot's offset was deleted by retention: records between were "
-                    "never applied; continuing from the oldest record that exists",
-                    topic=tp.topic,
-                    partition=tp.partition,
-                    snapshot_offset=start,
-                    oldest_offset=first,
-                    lost=first - start,
-                )
-                self.conductor.counters["offsets_lost_to_retention"] += first - start
-                start = first
-            consumer.seek(tp, start)
-            offsets[tp] = start
+        offsets = await resume_positions(consumer, tps, read.offsets, self.conductor.counters)
         foreign = sorted(f"{tp.topic}/{tp.partition}" for tp in read.offsets if tp not in offsets)
         if foreign:
             log.warning(
@@ -594,6 +531,5 @@ __all__ = [
     "Follow",
     "Replica",
     "ReplicaError",
-    "read_snapshot_to_end",
     "run_replica",
 ]

@@ -194,8 +194,9 @@ class SnapshotPublisher:
 
 
 def pending_version(ns: NamespaceIndex) -> int:
-    # Both only ever grow, so their sum changes whenever either does.
-    return ns.pending.version + ns.retired.version
+    # Every change takes the next number of one process-wide sequence, so the
+    # latest of the two is new whenever either queue changed.
+    return max(ns.pending.version, ns.retired.version)
 
 
 def generation_key_for(tp: TopicPartition) -> UnitKey:
@@ -223,7 +224,9 @@ async def read_snapshot(
     The consumer must be started, with no group, `read_committed`. "The end"
     is each partition's end offset taken up front, compared with the
     consumer's position (never the last record's offset: compaction leaves
-    holes and the last offset may be a transaction marker)."""
+    holes and the last offset may be a transaction marker). Records past it
+    (a generation committed during the read) are left out, so the result is
+    whole generations; the consumer is left at those ends, to follow on."""
     started = time.monotonic()
     partitions = consumer.partitions_for_topic(topic)
     if partitions is None:
@@ -260,6 +263,9 @@ async def read_snapshot(
                 remaining.discard(tp)
         if progress is not None:
             progress(records, total)
+    # A follower continues from exactly what was read.
+    for tp in tps:
+        consumer.seek(tp, ends[tp])
     units, chunks, skipped = _assemble(latest)
     offsets: dict[TopicPartition, int] = {}
     generation = 0
