@@ -102,13 +102,15 @@ class Conductor:
         return self.index.applied
 
     def pending(self) -> dict[str, int]:
-        """Pending two-phase halves across namespaces, by kind."""
-        out = {"waiting": 0, "unresolved": 0, "intents": 0}
+        """Pending two-phase halves across namespaces, by kind, and the content
+        kept for late halves after its last holder went (`retired`)."""
+        out = {"waiting": 0, "unresolved": 0, "intents": 0, "retired": 0}
         for ns in self.index.namespaces.values():
             by_kind = ns.pending.by_kind
             out["waiting"] += by_kind[WAITING]
             out["unresolved"] += by_kind[UNRESOLVED]
             out["intents"] += by_kind[INTENT]
+            out["retired"] += len(ns.retired)
         return out
 
     def workers(self) -> list[dict[str, object]]:

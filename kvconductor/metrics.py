@@ -50,7 +50,7 @@ LATENCY_BUCKETS = (
     0.1,
 )
 
-PENDING_KINDS = ("waiting", "unresolved", "intents")
+PENDING_KINDS = ("waiting", "unresolved", "intents", "retired")
 
 
 class ConductorCollector(Collector):

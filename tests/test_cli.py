@@ -258,7 +258,7 @@ async def test_query_and_status_against_a_running_daemon(kafka_bootstrap: str) -
         st = json.loads(out)
         assert st["ready"] is True
         assert set(st["dead_letters"]) == {"missing_header"}
-        assert set(st["pending"]) == {"waiting", "unresolved", "intents"}
+        assert set(st["pending"]) == {"waiting", "unresolved", "intents", "retired"}
         assert st["consumer_lag"].get(cfg.kafka.engine_topic) == 0
 
 

@@ -379,7 +379,7 @@ async def test_workers(make_client: MakeClient) -> None:
     assert resp.status == 200
     body = await resp.json()
     assert set(body) == {"workers", "pending"}
-    assert body["pending"] == {"waiting": 0, "unresolved": 0, "intents": 0}
+    assert body["pending"] == {"waiting": 0, "unresolved": 0, "intents": 0, "retired": 0}
     (ns,) = body["workers"]
     assert (ns["tenant"], ns["model"], ns["block_size"]) == ("default", "m", BS)
     assert ns["instances"]["vllm-0"]["0"] == {"GPU": 2, "CPU": 1, "DISK": 1}
