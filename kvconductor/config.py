@@ -29,9 +29,9 @@ import os
 import re
 import tomllib
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
@@ -337,15 +337,35 @@ def _read_secret_file(section: str, key: str, path: str, source: str) -> Secret:
     return Secret(value)
 
 
-def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Config:
-    """Defaults, then the TOML file at `path` (if any), then env overrides."""
-    values: dict[str, dict[str, object]] = {s: {} for s in SECTIONS}
+class SectionValues(NamedTuple):
+    """Parsed values per section and key, and where each came from."""
+
+    values: dict[str, dict[str, object]]
+    src: Callable[[str, str], str]
+    # Arrays of tables allowed beside the sections (e.g. the bridge's
+    # [[publishers]]), unparsed.
+    arrays: dict[str, list[dict[str, Any]]]
+
+
+def read_sections(
+    path: Path | None,
+    env: Mapping[str, str],
+    sections: Mapping[str, type[msgspec.Struct]],
+    secret_files: Mapping[tuple[str, str], str],
+    arrays: Sequence[str] = (),
+) -> SectionValues:
+    """Defaults, then the TOML file at `path` (if any), then env overrides
+    `KVCONDUCTOR_<SECTION>_<KEY>`, then secrets read from their *_file keys.
+    Every problem is one ConfigError line naming the key and its source.
+    Shared by every command's config (daemon, bridge)."""
+    values: dict[str, dict[str, object]] = {s: {} for s in sections}
     sources: dict[tuple[str, str], str] = {}
-    fields = {s: {f.name: f for f in msgspec.structs.fields(c)} for s, c in SECTIONS.items()}
+    fields = {s: {f.name: f for f in msgspec.structs.fields(c)} for s, c in sections.items()}
+    found: dict[str, list[dict[str, Any]]] = {}
 
     def put(section: str, key: str, value: object, from_env: bool, source: str) -> None:
         f = fields[section][key]
-        secret = (section, key) in SECRET_FILES
+        secret = (section, key) in secret_files
         try:
             parsed = _parse(value, f.type, from_env, secret)
         except _BadValue as exc:
@@ -357,12 +377,17 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Confi
         doc = _read_toml(path)
         source = str(path)
         for section, table in doc.items():
-            if section not in SECTIONS and not isinstance(table, dict):
+            if section in arrays:
+                if not isinstance(table, list) or not all(isinstance(t, dict) for t in table):
+                    raise ConfigError(f"[[{section}]]: expected an array of tables (from {source})")
+                found[section] = table
+                continue
+            if section not in sections and not isinstance(table, dict):
                 raise ConfigError(
                     f"{section}: unknown top-level key, keys belong in a [section] (from {source})"
                 )
-            if section not in SECTIONS:
-                hint = difflib.get_close_matches(section, list(SECTIONS), n=1)
+            if section not in sections:
+                hint = difflib.get_close_matches(section, [*sections, *arrays], n=1)
                 did = f" (did you mean [{hint[0]}]?)" if hint else ""
                 raise ConfigError(f"[{section}]: unknown section{did} (from {source})")
             if not isinstance(table, dict):
@@ -379,7 +404,7 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Confi
         if not upper.startswith(ENV_PREFIX):
             continue
         rest = upper[len(ENV_PREFIX) :]
-        for section in SECTIONS:
+        for section in sections:
             if rest.startswith(section.upper() + "_"):
                 key = rest[len(section) + 1 :].lower()
                 if key not in fields[section]:
@@ -391,7 +416,9 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Confi
         return sources.get((section, key), "built-in default")
 
     # Secrets from files; a secret and its *_file are exclusive.
-    for (section, key), file_key in SECRET_FILES.items():
+    for (section, key), file_key in secret_files.items():
+        if section not in sections:
+            continue
         file_path = values[section].get(file_key)
         if file_path is None:
             continue
@@ -404,7 +431,12 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Confi
         values[section][key] = _read_secret_file(
             section, file_key, file_path, src(section, file_key)
         )
+    return SectionValues(values, src, found)
 
+
+def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Config:
+    """Defaults, then the TOML file at `path` (if any), then env overrides."""
+    values, src, _ = read_sections(path, env, SECTIONS, SECRET_FILES)
     try:
         kafka = KafkaConfig(**values["kafka"])  # type: ignore[arg-type]
         http = HttpConfig(**values["http"])  # type: ignore[arg-type]

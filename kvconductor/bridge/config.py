@@ -26,7 +26,6 @@ import msgspec
 
 from kvconductor import config as base
 from kvconductor.config import (
-    ENV_PREFIX,
     Config,
     ConfigError,
     KafkaConfig,
@@ -245,73 +244,11 @@ def publisher_from_mapping(raw: Mapping[str, Any], where: str) -> PublisherConfi
 
 def load_bridge_config(path: Path | None, env: Mapping[str, str] = os.environ) -> BridgeConfig:
     """Defaults, then the TOML file at `path` (if any), then env overrides."""
-    values: dict[str, dict[str, object]] = {s: {} for s in SECTIONS}
-    sources: dict[tuple[str, str], str] = {}
-    fields = {s: {f.name: f for f in msgspec.structs.fields(c)} for s, c in SECTIONS.items()}
-    tables: list[Any] = []
+    values, src, arrays = base.read_sections(
+        path, env, SECTIONS, SECRET_FILES, arrays=(PUBLISHERS,)
+    )
+    tables = arrays.get(PUBLISHERS, [])
     file_source = str(path) if path is not None else ""
-
-    def put(section: str, key: str, value: object, from_env: bool, source: str) -> None:
-        f = fields[section][key]
-        secret = (section, key) in SECRET_FILES
-        try:
-            parsed = base._parse(value, f.type, from_env, secret)
-        except base._BadValue as exc:
-            raise ConfigError(f"[{section}] {key}: {exc} (from {source})") from None
-        values[section][key] = parsed
-        sources[(section, key)] = source
-
-    if path is not None:
-        doc = base._read_toml(path)
-        for section, table in doc.items():
-            if section == PUBLISHERS:
-                if not isinstance(table, list) or not all(isinstance(t, dict) for t in table):
-                    raise ConfigError(
-                        f"[[{PUBLISHERS}]]: expected an array of tables (from {file_source})"
-                    )
-                tables = table
-                continue
-            if section not in SECTIONS:
-                known = [*SECTIONS, PUBLISHERS]
-                hint = difflib.get_close_matches(section, known, n=1)
-                did = f" (did you mean [{hint[0]}]?)" if hint else ""
-                raise ConfigError(f"[{section}]: unknown section{did} (from {file_source})")
-            if not isinstance(table, dict):
-                raise ConfigError(f"[{section}]: expected a table (from {file_source})")
-            for key, value in table.items():
-                if key not in fields[section]:
-                    raise base._unknown_key(section, key, list(fields[section]), file_source)
-                put(section, key, value, False, file_source)
-
-    for name in sorted(env):
-        upper = name.upper()
-        if not upper.startswith(ENV_PREFIX):
-            continue
-        rest = upper[len(ENV_PREFIX) :]
-        for section in SECTIONS:
-            if rest.startswith(section.upper() + "_"):
-                key = rest[len(section) + 1 :].lower()
-                if key not in fields[section]:
-                    raise base._unknown_key(section, key, list(fields[section]), name)
-                put(section, key, env[name], True, name)
-                break
-
-    def src(section: str, key: str) -> str:
-        return sources.get((section, key), "built-in default")
-
-    for (section, key), file_key in SECRET_FILES.items():
-        file_path = values[section].get(file_key)
-        if file_path is None:
-            continue
-        if values[section].get(key) is not None:
-            raise ConfigError(
-                f"[{section}] {file_key}: set only one of {key} and {file_key} "
-                f"(from {src(section, key)} and {src(section, file_key)})"
-            )
-        assert isinstance(file_path, str)
-        values[section][key] = base._read_secret_file(
-            section, file_key, file_path, src(section, file_key)
-        )
 
     kafka = KafkaConfig(**values["kafka"])  # type: ignore[arg-type]
     log = LogConfig(**values["log"])  # type: ignore[arg-type]
