@@ -9,8 +9,8 @@
   answers of the first queries, which the runner compares across peers.
 - `length_curve` (inside the scale run): latency against prompt length.
 
-HTTP and end-to-end figures are not measured yet: see `http_figure` and
-`e2e_figure`, which say so in the report instead of giving a number.
+The end-to-end figure is not measured yet: `e2e_figure` says so in the
+report instead of giving a number. The HTTP figure is in `bench.http_load`.
 """
 
 from __future__ import annotations
@@ -241,15 +241,6 @@ def strip_answers(scale: dict[str, Any]) -> None:
     """Drop the bulky per-query answers once they were compared."""
     for res in scale["peers"].values():
         res.pop("answers", None)
-
-
-def http_figure() -> dict[str, Any]:
-    # TODO(bench): HTTP latency (one client, then 8 concurrent) against the
-    # daemon's /query: start `tests.harness`-style daemon in-process on a
-    # local broker, load it with the workload through the engine topic, then
-    # drive POST /query with aiohttp clients. Reported as not measured until
-    # then; never a placeholder number.
-    return {"measured": False, "reason": "not implemented yet (TODO in bench/runners.py)"}
 
 
 def e2e_figure() -> dict[str, Any]:

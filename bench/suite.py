@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
+from bench.http_load import http_figure
 from bench.measure import forked, summary, warm_memory
 from bench.peers import ALL_PEERS, Peer, dynamo_available
 from bench.runners import (
     apply_figure,
     e2e_figure,
-    http_figure,
     scale_figure,
     strip_answers,
 )
@@ -40,6 +40,7 @@ class Options:
     curve_queries: int = 300
     restore: bool = True
     restore_repeats: int = 3
+    http_requests: int = 2000  # per client phase of the HTTP figure; 0 skips it
     warm_bytes: int = 3 << 30  # fresh memory touched once before measuring
     peers: tuple[str, ...] = ALL_PEERS
     trace: str | None = None
@@ -62,6 +63,7 @@ class Options:
             curve_queries=150,
             restore=False,  # the broker alone takes 15-40 s to start: --restore
             restore_repeats=2,
+            http_requests=0,  # --http N measures it
             warm_bytes=512 << 20,
         )
 
@@ -220,7 +222,10 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
             reason = "skipped (--no-restore or --quick)" if not opts.restore else "no broker"
             result["restore"] = {"measured": False, "reason": reason}
 
-    result["http"] = http_figure()
+    if opts.http_requests > 0 and "kvconductor" in peers:
+        result["http"] = http_figure(w, opts.http_requests, log)
+    else:
+        result["http"] = {"measured": False, "reason": "skipped (--quick without --http N)"}
     result["e2e"] = e2e_figure()
 
     main_point = {"entries": w.stats["entries"], "peers": _curve_view(scale["peers"])}

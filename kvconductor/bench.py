@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-limit", type=int, help="replay only the first N trace requests")
     p.add_argument("--no-restore", action="store_true", help="skip the broker and restore figure")
     p.add_argument("--restore", action="store_true", help="measure restore even with --quick")
+    p.add_argument(
+        "--http", type=int, metavar="N", help="HTTP figure: N requests a phase (0: skip)"
+    )
     p.add_argument("--out", default="bench-results", help="report folder (default: %(default)s)")
     return p
 
@@ -73,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts.restore = False
     elif args.restore:
         opts.restore = True
+    if args.http is not None:
+        opts.http_requests = args.http
     opts.out = args.out
 
     def log(line: str) -> None:
