@@ -86,6 +86,7 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         curve=(6_000,),
         curve_queries=10,
         restore=False,
+        http_requests=20,
         warm_bytes=0,
         peers=tuple(peers),
     )
@@ -112,7 +113,11 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         assert same == compared > 0, name
     assert [p["entries"] for p in result["curve"]] == sorted(p["entries"] for p in result["curve"])
     assert result["restore"]["measured"] is False
-    assert result["http"]["measured"] is False
+    http = result["http"]
+    assert http["measured"] is True, http
+    assert http["requests"] == 20 and http["clients"] == 8
+    assert set(http["one_client"]) == {"p50_us", "p99_us"}
+    assert set(http["concurrent"]) == {"qps", "p50_us", "p99_us"}
     paths = report.write(result, tmp_path / "out")
     md = Path(paths["md"]).read_text()
     for heading in ("## Targets", "## 1. Apply throughput", "## 6. Cost curve"):
