@@ -401,11 +401,19 @@ def _is_our_broker(pid: int, data_dir: Path) -> bool:
     )
 
 
-def _reap(pid: int) -> None:
+def _reap(pid: int, wait_s: float = 0.0) -> None:
     """Collect the exit status of a broker this process started (else it lingers as a
-    zombie). Brokers started by other processes are reaped by their parent or init."""
+    zombie), waiting up to ``wait_s`` for it. Brokers started by other processes are
+    reaped by their parent or init."""
     child = _CHILDREN.get(pid)
-    if child is not None and child.poll() is not None:
+    if child is None:
+        return
+    if wait_s > 0:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=wait_s)
+    else:
+        child.poll()
+    if child.returncode is not None:
         del _CHILDREN[pid]
 
 
@@ -684,6 +692,9 @@ def _kill(pid: int, data_dir: Path, timeout_s: float) -> None:
         while True:
             _reap(pid)
             if not _is_our_broker(pid, data_dir):
+                # It may have exited just after the reap above: a zombie no
+                # longer looks like our broker but still holds its pid.
+                _reap(pid, wait_s=5.0)
                 return True
             if time.monotonic() >= deadline:
                 return False
