@@ -28,10 +28,8 @@ import contextlib
 import datetime as dt
 import json
 import logging
-import os
 import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -47,8 +45,8 @@ from consumers.dead_letters import (
     DLQ_TIME,
     DLQ_TOPIC,
 )
-from kvconductor.config import Config, ConfigError, KafkaConfig, kafka_client_options, load_config
-from kvconductor.termui import Progress, ToolError, fail, print_table
+from kvconductor.config import Config, KafkaConfig, kafka_client_options
+from kvconductor.termui import Progress, ToolError, fail, print_table, tool_config
 
 
 class DeadLetter(NamedTuple):
@@ -90,16 +88,6 @@ class DeadLetter(NamedTuple):
             "headers": {k: v.decode("utf-8", "replace") for k, v in self.original_headers()},
             "redriven": redriven,
         }
-
-
-def _config(args: argparse.Namespace) -> Config:
-    env = dict(os.environ)
-    if args.bootstrap:
-        env["KVCONDUCTOR_KAFKA_BOOTSTRAP_SERVERS"] = args.bootstrap
-    try:
-        return load_config(Path(args.config) if args.config else None, env)
-    except ConfigError as exc:
-        raise ToolError(str(exc), 2) from None
 
 
 def unreachable(bootstrap: str, exc: BaseException) -> ToolError:
@@ -379,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry of `kvconductor dead-letters`."""
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # errors are ours to report
     try:
-        cfg = _config(args)
+        cfg = tool_config(args)
         action = _redrive if args.action == "redrive" else _list
         return asyncio.run(action(args, cfg))
     except ToolError as exc:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvconductor.config import Config, ConfigError, kafka_client_options, load_config, reveal
+from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.demo_engines import (
     DEMO_BLOCK_SIZE,
     DEMO_MODEL,
@@ -51,7 +51,7 @@ from kvconductor.demo_engines import (
     default_fleet,
     text_tokens,
 )
-from kvconductor.termui import Spinner, ToolError, fail, is_tty, rich, rich_console
+from kvconductor.termui import Spinner, ToolError, fail, is_tty, rich, rich_console, tool_config
 
 PROG = "kvconductor demo"
 TICK_S = 0.5
@@ -91,16 +91,6 @@ def _quiet_logging(cfg: Config) -> None:
     )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-
-
-def _config(args: argparse.Namespace) -> Config:
-    env = dict(os.environ)
-    if args.bootstrap:
-        env["KVCONDUCTOR_KAFKA_BOOTSTRAP_SERVERS"] = args.bootstrap
-    try:
-        return load_config(Path(args.config) if args.config else None, env)
-    except ConfigError as exc:
-        raise ToolError(str(exc), 2) from None
 
 
 def _with_bootstrap(cfg: Config, bootstrap: str) -> Config:
@@ -749,7 +739,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     broker: Broker | None = None
     try:
-        cfg = _config(args)
+        cfg = tool_config(args)
         _quiet_logging(cfg)
         if args.via_bridge and not args.engines_only:
             raise ToolError("--via-bridge goes with --engines-only", 2)

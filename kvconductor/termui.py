@@ -8,13 +8,18 @@ text and progress stays silent, so scripts can parse stdout.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvconductor.config import Config
 
 
 class ToolError(Exception):
@@ -23,6 +28,20 @@ class ToolError(Exception):
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(" ".join(message.split()))
         self.code = code
+
+
+def tool_config(args: argparse.Namespace) -> Config:
+    """A command's config: `--config FILE` (or the defaults) and the
+    environment, with `--bootstrap` over both; errors exit with code 2."""
+    from kvconductor.config import ConfigError, load_config
+
+    env = dict(os.environ)
+    if getattr(args, "bootstrap", None):
+        env["KVCONDUCTOR_KAFKA_BOOTSTRAP_SERVERS"] = args.bootstrap
+    try:
+        return load_config(Path(args.config) if args.config else None, env)
+    except ConfigError as exc:
+        raise ToolError(str(exc), 2) from None
 
 
 def fail(exc: ToolError, prog: str) -> int:
