@@ -34,7 +34,6 @@ known and places every waiting half whose content has.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from kvconductor.events import (
@@ -109,18 +108,18 @@ class NsModel:
     def known(self, seq: int) -> Chain | None:
         return self.catalog.get(seq)
 
-    def resolvable(self, seq: int, depth: int = 0) -> Chain | None:
+    def resolvable(self, seq: int) -> Chain | None:
         """Content of seq from the catalog, or through unresolved links."""
-        chain = self.known(seq)
-        if chain is not None:
-            return chain
-        rec = self.unresolved.get(seq)
-        if rec is None or depth > 10_000:
-            return None
-        parent = self.resolvable(rec[0], depth + 1)
-        if parent is None:
-            return None
-        return (*parent, rec[1])
+        tail: list[tuple[int, ...]] = []
+        seen: set[int] = set()
+        while (base := self.known(seq)) is None:
+            rec = self.unresolved.get(seq)
+            if rec is None or seq in seen:
+                return None
+            seen.add(seq)
+            tail.append(rec[1])
+            seq = rec[0]
+        return (*base, *reversed(tail))
 
     # ---------------------------------------------------------- placement
 
@@ -249,9 +248,8 @@ class NsModel:
         )
 
     def tidy(self) -> None:
-        for d in (self.own, self.pools):
-            for key in [k for k, v in d.items() if not v]:
-                del d[key]
+        self.own = {k: v for k, v in self.own.items() if v}
+        self.pools = {k: v for k, v in self.pools.items() if v}
 
     # ------------------------------------------------------------- query
 
@@ -371,10 +369,13 @@ class ReferenceModel:
             self._settle()
 
     def _pool_event(self, backend_key: str, meta: PoolMeta, ev: PoolEvent) -> None:
+        model = ev.model_name if ev.model_name is not None else meta.model
+        block_size = ev.block_size if ev.block_size is not None else meta.block_size
+        assert model is not None and block_size is not None
         key: NsKey = (
             ev.tenant_id if ev.tenant_id is not None else meta.tenant,
-            ev.model_name if ev.model_name is not None else meta.model,  # type: ignore[assignment]
-            ev.block_size if ev.block_size is not None else meta.block_size,  # type: ignore[assignment]
+            model,
+            block_size,
             ev.lora_name,
             ev.additional_salt if ev.additional_salt is not None else meta.salt,
         )
@@ -432,12 +433,3 @@ class ReferenceModel:
             not (ns.own or ns.pools or ns.intents or ns.waiting or ns.unresolved)
             for ns in self.ns.values()
         )
-
-
-def chains_of(items: Iterable[tuple[int, ...]]) -> list[Chain]:
-    out: list[Chain] = []
-    chain: Chain = ()
-    for block in items:
-        chain = (*chain, block)
-        out.append(chain)
-    return out

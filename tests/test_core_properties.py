@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -410,6 +410,7 @@ def ops_strategy(draw: st.DrawFn, prompts: list[list[Block]], max_ops: int) -> l
             )
         elif kind == "drop":
             out.append(Op("drop", draw(st.sampled_from(sorted(INSTANCES)))))
+            continue
         else:
             out.append(
                 Op(
@@ -426,6 +427,18 @@ def ops_strategy(draw: st.DrawFn, prompts: list[list[Block]], max_ops: int) -> l
                     scheme=draw(st.sampled_from(["A", "A", "A", "B"])),
                     glue=draw(st.integers(0, 3)) == 0,
                 )
+            )
+        # Removals mostly aim at something stored before (same owner, tier
+        # and names, part of its range), so that removals meet what they
+        # remove, placed or still waiting, often enough to matter.
+        stores = [o for o in out[:-1] if o.kind == {"remove": "store"}.get(kind, "pool_store")]
+        if kind in ("remove", "pool_remove") and stores and draw(st.integers(0, 3)) > 0:
+            base = draw(st.sampled_from(stores))
+            a = draw(st.integers(base.start, base.end - 1))
+            b = draw(st.integers(a + 1, base.end))
+            medium = base.medium if kind == "remove" or draw(st.booleans()) else None
+            out[-1] = replace(
+                base, kind=kind, start=a, end=b, medium=medium, glue=out[-1].glue, junk=False
             )
     return out
 
