@@ -465,6 +465,10 @@ class NamespaceIndex:
                 )
                 self.children.setdefault(prev, []).append(seq)
                 self.pending.add((UNRESOLVED, seq), self.now)
+            elif pin and (u := self.unresolved.get(seq)) is not None and not u.pin:
+                # An intent for a block another event already left waiting
+                # for its parent: pin it too once it resolves.
+                self.unresolved[seq] = u._replace(pin=True)
             prev = seq
         self.counters["unresolved_parent"] += 1
         return full, None

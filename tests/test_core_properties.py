@@ -879,3 +879,36 @@ def test_intent_names_its_blocks_even_when_a_pool_already_holds_them():
     for q in (HashQuery(MODEL, bs, [a0]), TokenQuery(MODEL, bs, [1, 2])):
         assert model.query(q) == {"default": {"i0": one, "i1": one}}
         assert index.query(q) == model.query(q)
+
+
+@pytest.mark.parametrize("intent_first", [True, False])
+def test_intent_for_a_block_already_waiting_for_its_parent_still_pins(intent_first: bool):
+    """i0 stores block 1 on GPU and pool-mode i2 offloads the same block 1
+    (an intent), both naming block 0 by a hash whose content comes later.
+    Once it does, the intent must pin block 1 whatever the order of the two:
+    i0 then evicts it, churn pushes it out of the (tiny) retired window, and
+    the pool's confirmation still has to find the intent's content (contract
+    3: "in whichever order the two halves arrive")."""
+    bs = 2
+    prompt: list[Block] = [(1, 2), (3, 4)]
+    s0, s1 = seqs_of("A", None, prompt)
+    (x0,) = seqs_of("A", None, [(7, 7)])
+    limits = IndexLimits(max_pending=1000, max_pending_age_s=1e9, max_retired_content=1)
+    index = Index(limits)
+
+    def engine(instance: str, ev: Any) -> None:
+        batch = EngineBatch(ts=NOW, events=[ev])
+        index.apply_engine(instance, engine_meta(instance, bs), batch, NOW)
+
+    gpu = ("i0", BlockStored([s1], s0, [3, 4]))
+    intent = ("i2", BlockStored([s1], s0, [3, 4], medium="CPU"))
+    for instance, ev in [intent, gpu] if intent_first else [gpu, intent]:
+        engine(instance, ev)
+    engine("i1", BlockStored([s0], None, [1, 2]))  # the parent's content arrives
+    engine("i0", BlockRemoved([s1]))  # i0 evicts block 1
+    engine("i0", BlockStored([x0], None, [7, 7]))  # churn through the retired window
+    engine("i0", BlockRemoved([x0]))
+    confirm = PoolBatch(ts=NOW, events=[PoolEvent("stored", [s1], medium="cpu")])
+    index.apply_pool("p0", pool_meta(bs), confirm, NOW)
+    got = index.query(TokenQuery(MODEL, bs, flat(prompt)))["default"]["i1"]
+    assert got == {"longest_matched": 4, "GPU": 2, "CPU": 4, "DISK": 4, "DP": {"0": 4}}
