@@ -80,3 +80,18 @@ async def _check_configs(admin: AIOKafkaAdminClient, specs: Sequence[TopicSpec])
                     f"fix it with kafka-configs.sh --alter --entity-type topics "
                     f"--entity-name {spec.name} --add-config {key}={want}"
                 )
+
+
+async def ensure_topics_on(
+    bootstrap_servers: str,
+    client_id: str,
+    options: Mapping[str, object],
+    specs: Sequence[TopicSpec],
+) -> list[str]:
+    """`ensure_topics` through an admin client of its own, closed afterwards."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id=client_id, **options)
+    await admin.start()
+    try:
+        return await ensure_topics(admin, specs)
+    finally:
+        await admin.close()

@@ -31,7 +31,6 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from consumers.dead_letters import DeadLetterWriter
@@ -39,7 +38,7 @@ from consumers.event_consumer import EventConsumer
 from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
 from consumers.routing import group_key, group_partition
-from consumers.topics import TopicSpec, ensure_topics
+from consumers.topics import TopicError, TopicSpec, ensure_topics_on
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
@@ -194,18 +193,15 @@ class Daemon:
         opts = kafka_client_options(self.cfg.kafka)
 
         async def attempt() -> None:
-            admin = AIOKafkaAdminClient(
-                bootstrap_servers=self.cfg.kafka.bootstrap_servers,
-                client_id=self.cfg.kafka.client_id,
-                **opts,
-            )
-            await admin.start()
             try:
-                created = await ensure_topics(admin, topic_specs(self.cfg))
-            except RuntimeError as exc:
+                created = await ensure_topics_on(
+                    self.cfg.kafka.bootstrap_servers,
+                    self.cfg.kafka.client_id,
+                    opts,
+                    topic_specs(self.cfg),
+                )
+            except TopicError as exc:
                 raise FatalError(str(exc)) from exc
-            finally:
-                await admin.close()
             if created:
                 log.info("topics created", topics=created)
 

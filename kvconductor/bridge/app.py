@@ -21,10 +21,9 @@ from typing import Any
 import structlog
 import zmq.asyncio
 from aiohttp import web
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from consumers.topics import TopicError, TopicSpec, ensure_topics
+from consumers.topics import TopicError, TopicSpec, ensure_topics_on
 from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig, PublisherConfig
 from kvconductor.bridge.http import make_app
@@ -219,18 +218,15 @@ class Bridge:
             delay = min(delay * 2, 10.0)
 
     async def _ensure_topics(self) -> None:
-        admin = AIOKafkaAdminClient(
-            bootstrap_servers=self.cfg.kafka.bootstrap_servers,
-            client_id=f"{self.cfg.bridge.client_id}-admin",
-            **kafka_client_options(self.cfg.kafka),
-        )
-        await admin.start()
         try:
-            created = await ensure_topics(admin, bridge_topic_specs(self.cfg))
+            created = await ensure_topics_on(
+                self.cfg.kafka.bootstrap_servers,
+                f"{self.cfg.bridge.client_id}-admin",
+                kafka_client_options(self.cfg.kafka),
+                bridge_topic_specs(self.cfg),
+            )
         except TopicError as exc:
             raise FatalError(str(exc)) from exc
-        finally:
-            await admin.close()
         if created:
             log.info("topics created", topics=created)
 
