@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
+from kvconductor.kernel import KERNEL
+
 MASK64 = (1 << 64) - 1
 BASE_SEED = 1337
 
@@ -45,7 +47,10 @@ def lora_seed(lora_name: str | None) -> int:
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian u32; ValueError/OverflowError outside u32."""
+    """Token ids as little-endian u32; OverflowError outside u32, TypeError
+    for a non-integer."""
+    if KERNEL is not None:
+        return KERNEL.pack_tokens(token_ids)
     packed = array("I", token_ids)
     if _BIG_ENDIAN:  # pragma: no cover - every supported platform is little-endian
         packed.byteswap()
@@ -68,19 +73,29 @@ def chain_identities(
 
     `parent` is the identity the first block hangs from (the namespace seed
     at the root)."""
+    if extra is None:
+        if KERNEL is not None:
+            return KERNEL.chain_identities(token_bytes, n_blocks, block_size, parent)
+        return _plain_chain(token_bytes, n_blocks, block_size, parent)
     step = block_size * 4
     out: list[int] = []
     append = out.append
     ident = parent
-    if extra is None:
-        for start in range(0, n_blocks * step, step):
-            ident = _xxh3(token_bytes[start : start + step], ident)
-            append(ident)
-        return out
     for i in range(n_blocks):
         key = extra[i] if i < len(extra) else None
         seed = ident if key is None else ident ^ key
         ident = _xxh3(token_bytes[i * step : (i + 1) * step], seed)
+        append(ident)
+    return out
+
+
+def _plain_chain(token_bytes: bytes, n_blocks: int, block_size: int, parent: int) -> list[int]:
+    step = block_size * 4
+    out: list[int] = []
+    append = out.append
+    ident = parent
+    for start in range(0, n_blocks * step, step):
+        ident = _xxh3(token_bytes[start : start + step], ident)
         append(ident)
     return out
 

@@ -18,10 +18,12 @@ rest of a long prompt.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import xxhash
 
 from kvconductor.hashing import MASK64, extra_keys_fingerprint, pack_tokens
+from kvconductor.kernel import KERNEL, Walked
 from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
@@ -50,19 +52,20 @@ def packed_prompt(req: TokenQuery) -> bytes:
         raise InvalidQuery("token_ids must be integers in [0, 2**32)") from exc
 
 
-def token_identities(
-    data: bytes, block_size: int, seed: int, first_extra: int | None = None
-) -> Iterator[int]:
-    """The prompt's block identities, hashed only as far as they are read.
+class Packed(NamedTuple):
+    """A prompt's full blocks as packed tokens, hashed lazily from `seed`
+    (the namespace seed, xor-ed with a per-request salt's fingerprint: only
+    block 0 is hashed from the seed, so that is where an engine mixes it)."""
 
-    `first_extra`: the fingerprint an engine mixed into block 0 (a
-    per-request cache salt)."""
+    data: bytes
+    seed: int
+
+
+def token_identities(data: bytes, block_size: int, seed: int) -> Iterator[int]:
+    """The prompt's block identities, hashed only as far as they are read."""
     step = block_size * 4
-    if not data:
-        return
-    ident = _xxh3(data[:step], seed if first_extra is None else seed ^ first_extra)
-    yield ident
-    for start in range(step, len(data), step):
+    ident = seed
+    for start in range(0, len(data), step):
         ident = _xxh3(data[start : start + step], ident)
         yield ident
 
@@ -79,28 +82,54 @@ def normalise_query_hash(value: int | str) -> int:
 
 
 def match(
-    ns: NamespaceIndex, idents: Iterable[int], listed: int
+    ns: NamespaceIndex, prompt: Packed | list[int], listed: int
 ) -> dict[int, tuple[int, int, int]]:
     """Per listed owner slot: (GPU, CPU, DISK) matched lengths in blocks."""
+    host = ns.masks[HOST] or None
+    disk = ns.masks[DISK] or None
+    pool_host = ns.pool_counts[HOST] or None
+    pool_disk = ns.pool_counts[DISK] or None
+    device_only = not (host or disk or pool_host or pool_disk)
     dev = ns.masks[DEVICE]
-    host = ns.masks[HOST]
-    disk = ns.masks[DISK]
+    if KERNEL is not None:
+        slots = len(ns.slots)
+        if isinstance(prompt, Packed):
+            walked = KERNEL.walk_tokens(
+                prompt.data, ns.block_size, prompt.seed, slots,
+                dev, host, disk, pool_host, pool_disk, listed,
+            )  # fmt: skip
+        else:
+            walked = KERNEL.walk_identities(
+                prompt, slots, dev, host, disk, pool_host, pool_disk, listed
+            )
+    else:
+        idents = (
+            token_identities(prompt.data, ns.block_size, prompt.seed)
+            if isinstance(prompt, Packed)
+            else prompt
+        )
+        walked = _walk(ns, idents, listed, device_only)
+    return _lengths(walked, device_only)
+
+
+def _walk(ns: NamespaceIndex, idents: Iterable[int], listed: int, device_only: bool) -> Walked:
+    """The tier walk in Python: the same as the kernel's `walk`."""
+    dev, host, disk = ns.masks
     pool_host = ns.pool_counts[HOST]
     pool_disk = ns.pool_counts[DISK]
     g = c = d = listed
-    ends: list[dict[int, int]] = [{}, {}, {}]
+    changes: list[tuple[int, int, int]] = []
     i = 0
-    if not (host or disk or pool_host or pool_disk):
-        # Device tiers only: CPU and DISK equal GPU.
+    if device_only:
         for ident in idents:
             ng = g & dev.get(ident, 0)
             if ng != g:
-                _ended(g & ~ng, i, ends[0])
+                changes.append((0, i, g ^ ng))
                 g = ng
                 if not g:
                     break
             i += 1
-        return {slot: (n, n, n) for slot, n in _finish(g, i, ends[0]).items()}
+        return i, g, g, g, changes
     for ident in idents:
         ng = g & dev.get(ident, 0)
         lower_c = host.get(ident, 0)
@@ -112,20 +141,33 @@ def match(
         nc = ng | (c & lower_c)
         nd = ng | (d & lower_d)
         if ng != g:
-            _ended(g & ~ng, i, ends[0])
+            changes.append((0, i, g ^ ng))
             g = ng
         if nc != c:
-            _ended(c & ~nc, i, ends[1])
+            changes.append((1, i, c ^ nc))
             c = nc
         if nd != d:
-            _ended(d & ~nd, i, ends[2])
+            changes.append((2, i, d ^ nd))
             d = nd
             if not d:
                 break
         i += 1
-    gl = _finish(g, i, ends[0])
-    cl = _finish(c, i, ends[1])
-    dl = _finish(d, i, ends[2])
+    return i, g, c, d, changes
+
+
+def _lengths(walked: Walked, device_only: bool) -> dict[int, tuple[int, int, int]]:
+    """Each owner's matched length per tier: where its bit was lost, or the
+    whole walk for bits still set at its end."""
+    length, g, c, d, changes = walked
+    ends: list[dict[int, int]] = [{}, {}, {}]
+    for tier, at, lost in changes:
+        _ended(lost, at, ends[tier])
+    _ended(g, length, ends[0])
+    if device_only:
+        return {slot: (n, n, n) for slot, n in ends[0].items()}
+    _ended(c, length, ends[1])
+    _ended(d, length, ends[2])
+    gl, cl, dl = ends
     return {slot: (gl[slot], cl[slot], dl[slot]) for slot in gl}
 
 
@@ -134,11 +176,6 @@ def _ended(bits: int, at: int, into: dict[int, int]) -> None:
         low = bits & -bits
         into[low.bit_length() - 1] = at
         bits ^= low
-
-
-def _finish(alive: int, length: int, ends: dict[int, int]) -> dict[int, int]:
-    _ended(alive, length, ends)
-    return ends
 
 
 def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:
@@ -190,12 +227,10 @@ def run_query(
     not its namespace exists."""
     if isinstance(req, TokenQuery):
         data = packed_prompt(req)
-        answer = _answer(ns, req, lambda n: token_identities(data, n.block_size, n.seed))
+        answer = _answer(ns, req, lambda n: Packed(data, n.seed))
         if salted is not None and req.cache_salt:
             fp = extra_keys_fingerprint([req.cache_salt])
-            extra = _answer(
-                salted, req, lambda n: token_identities(data, n.block_size, n.seed, fp), True
-            )
+            extra = _answer(salted, req, lambda n: Packed(data, n.seed ^ fp), True)
             answer = _merge(answer, extra)
         return answer
     # Engine hashes already cover a per-request salt: no second namespace.
@@ -206,7 +241,7 @@ def run_query(
 def _answer(
     ns: NamespaceIndex | None,
     req: TokenQuery | HashQuery,
-    identities: Callable[[NamespaceIndex], Iterable[int]],
+    prompt: Callable[[NamespaceIndex], Packed | list[int]],
     hits_only: bool = False,
 ) -> QueryResponse:
     if ns is None:
@@ -214,7 +249,7 @@ def _answer(
     listed = listed_bits(ns, req.instance_id)
     if not listed:
         return {}
-    lengths = match(ns, identities(ns), listed)
+    lengths = match(ns, prompt(ns), listed)
     if hits_only:
         lengths = {slot: ls for slot, ls in lengths.items() if ls[2]}
     return respond(ns, ns.key.tenant, lengths)
