@@ -12,6 +12,8 @@ The broker runs straight from the Apache Kafka jars on Maven Central:
 Command line (``python -m kvconductor.kafka_local``, later ``kvconductor kafka-local``)::
 
     start [--dir DIR] [--port PORT] [--controller-port PORT] [--wait SECONDS]
+          [--ssl-port PORT] [--sasl-port PORT] [--tls-cert FILE --tls-key FILE]
+          [--scram-user NAME=PASSWORD ...]
     stop [--dir DIR]
     status [--dir DIR]
     fetch
@@ -29,12 +31,17 @@ broker throughput, so it is not the default: benchmarks run against this broker)
 
 Files in the data folder: ``server.properties`` (rendered), ``kraft-logs/`` (topic data and
 the metadata log), ``logs/server.log`` (log4j2), ``logs/kafka.out`` (the JVM's own
-stdout/stderr), ``kafka.pid`` and ``broker.json`` (pid, ports, bootstrap of the running
-broker).
+stdout/stderr), ``kafka.pid`` and ``broker.json`` (pid, ports, listeners, bootstrap of the
+running broker), and with security ``tls/keystore.pem`` (the broker's key and certificate)
+and ``scram-users.json`` (which SCRAM users the storage was formatted with).
 
 Listeners are described by :class:`Listener` objects and rendered into the properties
-template, so a TLS or SASL/SCRAM listener can later be added as one more ``Listener``
-(with its ``listener.name.<name>.*`` settings) without touching the rest.
+template. The PLAINTEXT listener is always there (inter-broker traffic and the readiness
+check use it); :class:`Security` adds a TLS listener (``SSL``) and a SASL/SCRAM listener
+(``SASL_SSL``, or ``SASL_PLAINTEXT`` without a certificate), each with its
+``listener.name.<name>.*`` settings. SCRAM credentials live in the KRaft metadata log, so
+they are created when the storage is formatted (``kafka-storage format --add-scram``), for
+both SCRAM-SHA-256 and SCRAM-SHA-512.
 """
 
 from __future__ import annotations
@@ -95,10 +102,17 @@ ENV_JAVA_OPTS = "KVCONDUCTOR_LOCAL_KAFKA_JAVA_OPTS"
 
 PID_FILE = "kafka.pid"
 STATE_FILE = "broker.json"
+SCRAM_FILE = "scram-users.json"
+KEYSTORE_FILE = Path("tls") / "keystore.pem"
 LOCK_FILE = ".kafka-local.lock"
 FETCHED_MARKER = ".kvconductor-fetched"
 
 _POM_NS = {"m": "http://maven.apache.org/POM/4.0.0"}
+
+SCRAM_MECHANISMS: tuple[str, ...] = ("SCRAM-SHA-256", "SCRAM-SHA-512")
+SCRAM_LOGIN_MODULE = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+# What ``--add-scram 'MECHANISM=[name=N,password=P]'`` carries without quoting.
+_SCRAM_TOKEN = re.compile(r'[^\s,\[\]="]+')
 
 
 class KafkaLocalError(RuntimeError):
@@ -121,6 +135,55 @@ class Listener:
     @property
     def url(self) -> str:
         return f"{self.name}://{HOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Tls:
+    """The broker's TLS identity, PEM: ``certfile`` its certificate (intermediates after it),
+    ``keyfile`` its private key, unencrypted PKCS#8 (``BEGIN PRIVATE KEY``)."""
+
+    certfile: Path
+    keyfile: Path
+
+
+@dataclass(frozen=True)
+class Security:
+    """Listeners beside PLAINTEXT.
+
+    ``ssl_port``: a TLS listener (needs ``tls``). ``sasl_port``: a SCRAM-SHA-256/512 listener,
+    ``SASL_SSL`` with ``tls``, else ``SASL_PLAINTEXT``. ``scram_users`` (name -> password)
+    are created when the storage is first formatted; a formatted data folder keeps its users.
+    """
+
+    ssl_port: int | None = None
+    sasl_port: int | None = None
+    tls: Tls | None = None
+    scram_users: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def sasl_protocol(self) -> str:
+        return "SASL_SSL" if self.tls is not None else "SASL_PLAINTEXT"
+
+    def ports(self) -> dict[str, int]:
+        """Listener name (= its security protocol) -> port, for the secured listeners."""
+        ports = {"SSL": self.ssl_port, self.sasl_protocol: self.sasl_port}
+        return {name: port for name, port in ports.items() if port is not None}
+
+    def check(self) -> None:
+        """Raise :class:`KafkaLocalError` for a combination that cannot be meant."""
+        if self.ssl_port is not None and self.tls is None:
+            raise KafkaLocalError("a TLS listener (--ssl-port) needs --tls-cert and --tls-key")
+        if self.tls is not None and not self.ports():
+            raise KafkaLocalError("a certificate (--tls-cert) needs --ssl-port or --sasl-port")
+        if self.scram_users and self.sasl_port is None:
+            raise KafkaLocalError("SCRAM users (--scram-user) need a SASL listener (--sasl-port)")
+        for name, password in self.scram_users.items():
+            for what, token in (("user name", name), ("password", password)):
+                if not _SCRAM_TOKEN.fullmatch(token):
+                    raise KafkaLocalError(
+                        f"SCRAM {what} of {name!r} must be non-empty, without spaces, "
+                        "commas, brackets, quotes or '='"
+                    )
 
 
 @dataclass(frozen=True)
@@ -350,6 +413,96 @@ def _existing_cluster_id(data_dir: Path) -> str | None:
     return None
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (it holds a private key)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+def write_keystore(data_dir: Path, tls: Tls) -> Path:
+    """The broker's PEM key store (``ssl.keystore.type=PEM``): the private key, then the
+    certificate chain, in one file of the data folder. Written at every start, so a renewed
+    certificate is picked up by the next start."""
+    try:
+        key = tls.keyfile.read_text()
+        cert = tls.certfile.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KafkaLocalError(f"cannot read the broker's TLS certificate or key: {exc}") from None
+    if "-----BEGIN PRIVATE KEY-----" not in key:
+        # Kafka's PEM key store reads PKCS#8 only, and an unencrypted key needs no password.
+        raise KafkaLocalError(
+            f"{tls.keyfile} is not an unencrypted PKCS#8 PEM key (BEGIN PRIVATE KEY); convert "
+            f"it with: openssl pkcs8 -topk8 -nocrypt -in {tls.keyfile} -out broker-pkcs8.key"
+        )
+    if "-----BEGIN CERTIFICATE-----" not in cert:
+        raise KafkaLocalError(f"{tls.certfile} holds no PEM certificate (BEGIN CERTIFICATE)")
+    path = data_dir / KEYSTORE_FILE
+    _write_private(path, f"{key.strip()}\n{cert.strip()}\n")
+    return path
+
+
+def listeners_for(data_dir: Path, port: int, security: Security) -> list[Listener]:
+    """PLAINTEXT on ``port``, then the listeners ``security`` asks for (writing the key store
+    they share into ``data_dir``)."""
+    security.check()
+    listeners = [Listener("PLAINTEXT", port)]
+    tls: dict[str, str] = {}
+    if security.tls is not None:
+        keystore = write_keystore(data_dir, security.tls)
+        tls = {"ssl.keystore.type": "PEM", "ssl.keystore.location": str(keystore)}
+    if security.ssl_port is not None:
+        listeners.append(Listener("SSL", security.ssl_port, "SSL", tls))
+    if security.sasl_port is not None:
+        scram = {
+            "sasl.enabled.mechanisms": ",".join(SCRAM_MECHANISMS),
+            **{f"{m.lower()}.sasl.jaas.config": SCRAM_LOGIN_MODULE for m in SCRAM_MECHANISMS},
+        }
+        protocol = security.sasl_protocol
+        listeners.append(Listener(protocol, security.sasl_port, protocol, {**tls, **scram}))
+    return listeners
+
+
+def scram_format_args(users: Mapping[str, str]) -> list[str]:
+    """``kafka-storage format`` arguments creating each user for every SCRAM mechanism."""
+    return [
+        arg
+        for name, password in users.items()
+        for mechanism in SCRAM_MECHANISMS
+        for arg in ("--add-scram", f"{mechanism}=[name={name},password={password}]")
+    ]
+
+
+def _scram_digests(cluster_id: str, users: Mapping[str, str]) -> dict[str, str]:
+    """Per user, a digest of its password salted with the cluster id: enough to tell whether
+    a later start asks for the users the storage was formatted with, without storing them."""
+    return {
+        name: hashlib.sha256(f"{cluster_id}\0{name}\0{password}".encode()).hexdigest()
+        for name, password in users.items()
+    }
+
+
+def _check_scram_users(data_dir: Path, cluster_id: str | None, security: Security) -> None:
+    """SCRAM users are fixed when the storage is formatted: refuse a start that asks for
+    others, and a SASL listener nobody could log in to."""
+    recorded: dict[str, object] = {}
+    if cluster_id is not None:
+        users = _read_json(data_dir / SCRAM_FILE).get("users")
+        recorded = users if isinstance(users, dict) else {}
+        if security.scram_users and _scram_digests(cluster_id, security.scram_users) != recorded:
+            names = ", ".join(sorted(recorded)) or "none"
+            raise KafkaLocalError(
+                f"the SCRAM users of {data_dir} were fixed when its storage was formatted "
+                f"(users: {names}); to change them, stop the broker and remove "
+                f"{data_dir / 'kraft-logs'} (its topics go with it), or use another --dir"
+            )
+    if security.sasl_port is not None and not (security.scram_users or recorded):
+        raise KafkaLocalError(
+            "a SASL listener needs at least one SCRAM user (--scram-user NAME=PASSWORD)"
+        )
+
+
 def _java_cmd(java: str, libs: Path, data_dir: Path, main_class: str) -> list[str]:
     return [
         java,
@@ -424,12 +577,24 @@ def _read_pid(data_dir: Path) -> int | None:
         return None
 
 
-def _read_state(data_dir: Path) -> dict[str, object]:
+def _read_json(path: Path) -> dict[str, object]:
     try:
-        state = json.loads((data_dir / STATE_FILE).read_text())
+        state = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}
+
+
+def _read_state(data_dir: Path) -> dict[str, object]:
+    return _read_json(data_dir / STATE_FILE)
+
+
+def _listeners_of(state: Mapping[str, object]) -> dict[str, str]:
+    """Listener name -> address of a running broker, from its ``broker.json``."""
+    listeners = state.get("listeners")
+    if not isinstance(listeners, dict):
+        return {}
+    return {str(name): str(address) for name, address in listeners.items()}
 
 
 def _forget(data_dir: Path) -> None:
@@ -601,14 +766,18 @@ def start(
     port: int | None = None,
     controller_port: int | None = None,
     wait_s: float = DEFAULT_WAIT_S,
+    security: Security | None = None,
 ) -> str:
     """Start (or find running) the local broker of ``data_dir``; return its bootstrap address.
 
     ``data_dir`` defaults to ``$KVCONDUCTOR_LOCAL_KAFKA_DIR`` or ``<repo>/.kafka-local``; ``port``
-    to ``$KVCONDUCTOR_LOCAL_KAFKA_PORT`` or 39092; ``controller_port`` to ``port + 1``. If a broker
-    started by this tool already runs in ``data_dir`` (whatever its ports), its address is
-    returned once it answers. Raises :class:`KafkaLocalError` with a one-line reason.
+    to ``$KVCONDUCTOR_LOCAL_KAFKA_PORT`` or 39092; ``controller_port`` to ``port + 1``.
+    ``security`` adds TLS and SASL/SCRAM listeners on ports of their own; the address returned
+    is always the PLAINTEXT one. If a broker started by this tool already runs in ``data_dir``
+    (whatever its ports and listeners), its address is returned once it answers. Raises
+    :class:`KafkaLocalError` with a one-line reason.
     """
+    security = security if security is not None else Security()
     started = time.monotonic()
     data_dir = _resolve_dir(data_dir)
     explicit_port = port is not None or bool(os.environ.get(ENV_PORT))
@@ -625,16 +794,23 @@ def start(
             bootstrap = f"{HOST}:{running_port}"
             if running_port != port and explicit_port:
                 _say(f"already running in {data_dir} on port {running_port}, not {port}")
+            secured = {name: f"{HOST}:{p}" for name, p in security.ports().items()}
+            running_secured = {k: v for k, v in _listeners_of(state).items() if k != "PLAINTEXT"}
+            if secured and secured != running_secured:
+                shown = ", ".join(f"{k} {v}" for k, v in running_secured.items()) or "none"
+                _say(f"already running with other secured listeners ({shown}); stop it first")
             _say(f"already running (pid {pid}) in {data_dir}")
             return _ready_or_raise(
                 data_dir, bootstrap, running_port, pid, wait_s, started, fresh=False
             )
         _forget(data_dir)  # a stale pid file, if any
+        formatted_id = _existing_cluster_id(data_dir)
+        listeners = listeners_for(data_dir, port, security)
+        _check_scram_users(data_dir, formatted_id, security)
 
         java = find_java()
         libs = fetch_jars()
-        listeners = [Listener("PLAINTEXT", port)]
-        busy = [p for p in (port, controller_port) if _port_busy(p)]
+        busy = [p for p in (*(lst.port for lst in listeners), controller_port) if _port_busy(p)]
         if busy:
             raise KafkaLocalError(
                 f"port {busy[0]} on {HOST} is already in use (another broker?); "
@@ -645,19 +821,28 @@ def start(
         logs = data_dir / "logs"
         logs.mkdir(exist_ok=True)
 
-        cluster_id = _existing_cluster_id(data_dir) or new_cluster_id()
+        cluster_id = formatted_id or new_cluster_id()
         fmt = subprocess.run(
             [
                 *_java_cmd(java, libs, data_dir, "kafka.tools.StorageTool"),
                 "format", "-t", cluster_id, "-c", str(props), "--ignore-formatted",
+                *(scram_format_args(security.scram_users) if formatted_id is None else ()),
             ],
             capture_output=True, text=True, timeout=180, check=False,
         )  # fmt: skip
         if fmt.returncode != 0:
-            print((fmt.stdout + fmt.stderr).strip(), file=sys.stderr)
+            # The output would echo SCRAM passwords given on the command line.
+            output = (fmt.stdout + fmt.stderr).strip()
+            for password in security.scram_users.values():
+                output = output.replace(password, "*****")
+            print(output, file=sys.stderr)
             raise KafkaLocalError(f"formatting the KRaft storage in {data_dir} failed")
+        if formatted_id is None:
+            users = _scram_digests(cluster_id, security.scram_users)
+            _write_private(data_dir / SCRAM_FILE, json.dumps({"users": users}, indent=2) + "\n")
 
-        _say(f"starting Kafka {kafka_version()} in {data_dir} on {HOST}:{port}")
+        shown = ", ".join(f"{lst.name} {HOST}:{lst.port}" for lst in listeners)
+        _say(f"starting Kafka {kafka_version()} in {data_dir} ({shown})")
         with (logs / "kafka.out").open("ab") as out:
             child = subprocess.Popen(
                 [*_java_cmd(java, libs, data_dir, "kafka.Kafka"), str(props)],
@@ -675,6 +860,7 @@ def start(
             "bootstrap": bootstrap,
             "port": port,
             "controller_port": controller_port,
+            "listeners": {lst.name: f"{HOST}:{lst.port}" for lst in listeners},
             "cluster_id": cluster_id,
             "kafka_version": kafka_version(),
             "libs": str(libs),
@@ -751,13 +937,37 @@ def status(data_dir: Path | None = None) -> BrokerStatus:
         and (_wait_ready(bootstrap, port, lambda: True, 5.0) == "ready")
     )
     health = "answering" if answering else "NOT answering"
-    print(f"running pid={pid} bootstrap={bootstrap} ({health}) dir={data_dir}")
+    secured = "".join(
+        f" {name.lower()}={address}"
+        for name, address in _listeners_of(_read_state(data_dir)).items()
+        if name != "PLAINTEXT"
+    )
+    print(f"running pid={pid} bootstrap={bootstrap}{secured} ({health}) dir={data_dir}")
     return BrokerStatus(data_dir, True, pid, bootstrap, answering)
 
 
 # --------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------
+
+
+def _scram_user(text: str) -> tuple[str, str]:
+    name, sep, password = text.partition("=")
+    if not (sep and name and password):
+        raise argparse.ArgumentTypeError("expected NAME=PASSWORD")
+    return name, password
+
+
+def _security(args: argparse.Namespace) -> Security:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise KafkaLocalError("--tls-cert and --tls-key go together")
+    users: dict[str, str] = {}
+    for name, password in args.scram_user:
+        if name in users:
+            raise KafkaLocalError(f"SCRAM user {name!r} is given twice")
+        users[name] = password
+    tls = None if args.tls_cert is None else Tls(args.tls_cert, args.tls_key)
+    return Security(args.ssl_port, args.sasl_port, tls, users)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -785,6 +995,30 @@ def _parser() -> argparse.ArgumentParser:
     start_p.add_argument(
         "--wait", type=float, default=DEFAULT_WAIT_S, help="seconds to wait for readiness"
     )
+    secured = start_p.add_argument_group(
+        "security", "TLS and SASL/SCRAM listeners beside PLAINTEXT (see docs/operations.md)"
+    )
+    secured.add_argument("--ssl-port", type=int, metavar="PORT", help="add a TLS listener")
+    secured.add_argument(
+        "--sasl-port",
+        type=int,
+        metavar="PORT",
+        help="add a SCRAM-SHA-256/512 listener (SASL_SSL with --tls-cert, else SASL_PLAINTEXT)",
+    )
+    secured.add_argument(
+        "--tls-cert", type=Path, metavar="FILE", help="broker certificate (PEM, chain after it)"
+    )
+    secured.add_argument(
+        "--tls-key", type=Path, metavar="FILE", help="its private key (PEM, unencrypted PKCS#8)"
+    )
+    secured.add_argument(
+        "--scram-user",
+        type=_scram_user,
+        action="append",
+        default=[],
+        metavar="NAME=PASSWORD",
+        help="a SCRAM user, created when the storage is first formatted (repeatable)",
+    )
     sub.add_parser("stop", parents=[common], help="stop the broker (idempotent)")
     sub.add_parser("status", parents=[common], help="running/stopped, pid, bootstrap")
     sub.add_parser("fetch", help="only fetch the broker jars into the cache")
@@ -796,7 +1030,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "start":
-            print(start(args.dir, args.port, args.controller_port, args.wait), flush=True)
+            bootstrap = start(args.dir, args.port, args.controller_port, args.wait, _security(args))
+            print(bootstrap, flush=True)
         elif args.command == "stop":
             stop(args.dir)
         elif args.command == "status":

@@ -83,7 +83,7 @@ def test_render_properties_fills_every_placeholder(tmp_path: Path) -> None:
 
 
 def test_render_properties_extra_listener_settings(tmp_path: Path) -> None:
-    # The hook a later TLS / SASL listener will use.
+    # The hook the TLS and SASL/SCRAM listeners use (see Security).
     sasl = kafka_local.Listener(
         "SASL_PLAINTEXT",
         41002,
@@ -98,6 +98,130 @@ def test_render_properties_extra_listener_settings(tmp_path: Path) -> None:
         "listener.security.protocol.map="
         "PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT" in text
     )
+
+
+FAKE_KEY = "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"
+FAKE_CERT = "-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n"
+
+
+def _tls(folder: Path, key: str = FAKE_KEY, cert: str = FAKE_CERT) -> kafka_local.Tls:
+    (folder / "broker.key").write_text(key)
+    (folder / "broker.pem").write_text(cert)
+    return kafka_local.Tls(certfile=folder / "broker.pem", keyfile=folder / "broker.key")
+
+
+def _props(text: str) -> dict[str, str]:
+    return dict(
+        line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+
+
+def test_tls_and_scram_listeners_are_rendered(tmp_path: Path) -> None:
+    security = kafka_local.Security(41002, 41003, _tls(tmp_path), {"alice": "secret"})
+    listeners = kafka_local.listeners_for(tmp_path, 41000, security)
+    props = _props(kafka_local.render_properties(tmp_path, listeners, controller_port=41001))
+    assert props["listeners"] == (
+        "PLAINTEXT://127.0.0.1:41000,SSL://127.0.0.1:41002,SASL_SSL://127.0.0.1:41003,"
+        "CONTROLLER://127.0.0.1:41001"
+    )
+    assert props["advertised.listeners"] == (
+        "PLAINTEXT://127.0.0.1:41000,SSL://127.0.0.1:41002,SASL_SSL://127.0.0.1:41003"
+    )
+    assert props["listener.security.protocol.map"] == (
+        "PLAINTEXT:PLAINTEXT,SSL:SSL,SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT"
+    )
+    assert props["inter.broker.listener.name"] == "PLAINTEXT"
+    keystore = tmp_path / "tls" / "keystore.pem"
+    for name in ("ssl", "sasl_ssl"):
+        assert props[f"listener.name.{name}.ssl.keystore.type"] == "PEM"
+        assert props[f"listener.name.{name}.ssl.keystore.location"] == str(keystore)
+    assert props["listener.name.sasl_ssl.sasl.enabled.mechanisms"] == "SCRAM-SHA-256,SCRAM-SHA-512"
+    login = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+    assert props["listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config"] == login
+    assert props["listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config"] == login
+    # The key store: key then certificate, readable by its owner only.
+    assert keystore.read_text() == FAKE_KEY + FAKE_CERT
+    assert keystore.stat().st_mode & 0o777 == 0o600
+    assert kafka_local.scram_format_args({"alice": "secret"}) == [
+        "--add-scram", "SCRAM-SHA-256=[name=alice,password=secret]",
+        "--add-scram", "SCRAM-SHA-512=[name=alice,password=secret]",
+    ]  # fmt: skip
+
+
+def test_scram_without_a_certificate_is_sasl_plaintext(tmp_path: Path) -> None:
+    security = kafka_local.Security(sasl_port=41002, scram_users={"alice": "secret"})
+    listeners = kafka_local.listeners_for(tmp_path, 41000, security)
+    assert [(lst.name, lst.protocol) for lst in listeners] == [
+        ("PLAINTEXT", "PLAINTEXT"),
+        ("SASL_PLAINTEXT", "SASL_PLAINTEXT"),
+    ]
+    assert "ssl.keystore.location" not in listeners[1].settings
+    assert not (tmp_path / "tls").exists()
+
+
+@pytest.mark.parametrize(
+    ("security", "reason"),
+    [
+        (kafka_local.Security(ssl_port=41002), "needs --tls-cert and --tls-key"),
+        (kafka_local.Security(tls=kafka_local.Tls(Path("c"), Path("k"))), "needs --ssl-port"),
+        (kafka_local.Security(scram_users={"a": "b"}), "need a SASL listener"),
+        (kafka_local.Security(sasl_port=41002, scram_users={"a": "b,c"}), "without spaces, commas"),
+        (kafka_local.Security(sasl_port=41002, scram_users={"a b": "c"}), "without spaces, commas"),
+    ],
+)
+def test_security_combinations_that_cannot_be_meant(
+    tmp_path: Path, security: kafka_local.Security, reason: str
+) -> None:
+    with pytest.raises(kafka_local.KafkaLocalError, match=reason):
+        kafka_local.listeners_for(tmp_path, 41000, security)
+
+
+@pytest.mark.parametrize(
+    ("key", "cert", "reason"),
+    [
+        ("-----BEGIN RSA PRIVATE KEY-----\n", FAKE_CERT, "not an unencrypted PKCS#8 PEM key"),
+        ("-----BEGIN ENCRYPTED PRIVATE KEY-----\n", FAKE_CERT, "openssl pkcs8 -topk8 -nocrypt"),
+        (FAKE_KEY, "no certificate here", "holds no PEM certificate"),
+    ],
+)
+def test_keystore_takes_an_unencrypted_pkcs8_key_and_a_certificate(
+    tmp_path: Path, key: str, cert: str, reason: str
+) -> None:
+    with pytest.raises(kafka_local.KafkaLocalError, match=reason):
+        kafka_local.write_keystore(tmp_path, _tls(tmp_path, key, cert))
+
+
+def test_scram_users_are_fixed_when_the_storage_is_formatted(tmp_path: Path) -> None:
+    # Refused before any JVM runs: the folder's storage was formatted without users.
+    (tmp_path / "kraft-logs").mkdir()
+    (tmp_path / "kraft-logs" / "meta.properties").write_text("cluster.id=AAAAAAAAAAAAAAAAAAAAAA\n")
+    security = kafka_local.Security(sasl_port=41002, scram_users={"bob": "pw"})
+    with pytest.raises(kafka_local.KafkaLocalError, match=r"fixed when its storage was formatted"):
+        kafka_local.start(tmp_path, port=41000, controller_port=41001, security=security)
+    with pytest.raises(kafka_local.KafkaLocalError, match="needs at least one SCRAM user"):
+        kafka_local.start(
+            tmp_path,
+            port=41000,
+            controller_port=41001,
+            security=kafka_local.Security(sasl_port=41002),
+        )
+
+
+def test_cli_security_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = ["start", "--dir", str(tmp_path), "--port", "41000"]
+    assert kafka_local.main([*start, "--ssl-port", "41002"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("kafka-local: error: a TLS listener (--ssl-port) needs --tls-cert and --tls-key")
+    assert kafka_local.main([*start, "--sasl-port", "41002", "--tls-key", "k"]) == 1
+    assert capsys.readouterr().err.strip().endswith("--tls-cert and --tls-key go together")
+    users = ["--scram-user", "a=1", "--scram-user", "a=2"]
+    assert kafka_local.main([*start, "--sasl-port", "41002", *users]) == 1
+    assert capsys.readouterr().err.strip().endswith("SCRAM user 'a' is given twice")
+    with pytest.raises(SystemExit):
+        kafka_local.main([*start, "--scram-user", "no-password"])
+    assert "expected NAME=PASSWORD" in capsys.readouterr().err
 
 
 def test_stop_ignores_a_pid_that_is_not_its_broker(tmp_path: Path) -> None:
