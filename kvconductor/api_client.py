@@ -3,6 +3,10 @@
 Synchronous (urllib, no event loop): `kvconductor query` and `kvconductor
 status` make a handful of requests and exit. Every failure becomes a
 `ToolError` with one line that says what to check.
+
+The bearer token (`[http] auth_token`) goes only to the URL asked for:
+redirects are not followed, since urllib would replay the Authorization
+header to wherever they point, and the daemon never redirects.
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ from kvconductor.config import Config, reveal
 from kvconductor.termui import ToolError
 
 DEFAULT_TIMEOUT_S = 10.0
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # urlopen then raises HTTPError with the 3xx status
+
+
+_opener = urllib.request.build_opener(_NoRedirects)
 
 
 def daemon_url(cfg: Config, url: str | None) -> str:
@@ -52,14 +64,17 @@ class Api:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with _opener.open(req, timeout=self.timeout_s) as resp:
                 return int(resp.status), bytes(resp.read())
         except urllib.error.HTTPError as exc:
             payload = exc.read()
             if exc.code == 401:
+                raise ToolError(self._unauthorized()) from None
+            if 300 <= exc.code < 400:
                 raise ToolError(
-                    f"{self.url} refused the request (401): set the bearer token with "
-                    "[http] auth_token, auth_token_file or KVCONDUCTOR_HTTP_AUTH_TOKEN"
+                    f"{self.url}{path} redirects ({exc.code}) to "
+                    f"{exc.headers.get('Location', '?')}: not following (kvconductor never "
+                    "redirects; is --url right?)"
                 ) from None
             return int(exc.code), bytes(payload)
         except urllib.error.URLError as exc:
@@ -73,6 +88,12 @@ class Api:
             raise ToolError(
                 f"cannot reach kvconductor at {self.url}: {exc.strerror or exc}"
             ) from None
+
+    def _unauthorized(self) -> str:
+        where = "[http] auth_token, auth_token_file or KVCONDUCTOR_HTTP_AUTH_TOKEN(_FILE)"
+        if self.token:
+            return f"{self.url} rejected the bearer token (401): check {where} against the daemon's"
+        return f"{self.url} needs a bearer token (401): set {where}"
 
     def json(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
         status, raw = self.request(method, path, body)

@@ -24,6 +24,7 @@ secret; each can be read from a file instead through its `*_file` key
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -121,12 +122,31 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
+# A router queries continuously, so a connection idle this long is gone; and
+# no honest client needs a minute to send one request's headers or body.
+DEFAULT_CLIENT_TIMEOUT_S = 60.0
+
+
 class HttpConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8787
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
     auth_token: Secret | None = None
     auth_token_file: str | None = None
+    # Serve without a token on a non-loopback address (a router that cannot
+    # send one); docs/configuration.md spells out the risk.
+    allow_unauthenticated: bool = False
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` (a listen address) is reachable from this machine only."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 class SnapshotConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -524,8 +544,23 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
         raise fail("http", "port", f"must be in [0, 65535], got {h.port}")
     if h.max_body_bytes < 1024:
         raise fail("http", "max_body_bytes", f"must be at least 1024, got {h.max_body_bytes}")
-    if h.auth_token is not None and not h.auth_token.reveal().strip():
-        raise fail("http", "auth_token", "must not be blank")
+    if not h.client_timeout_s > 0:
+        raise fail("http", "client_timeout_s", f"must be positive, got {h.client_timeout_s}")
+    if h.auth_token is not None:
+        token = h.auth_token.reveal()
+        if not token.strip():
+            raise fail("http", "auth_token", "must not be blank")
+        # It travels in a header: visible ASCII only, as RFC 6750's b64token.
+        if not all("!" <= c <= "~" for c in token):
+            raise fail("http", "auth_token", "may hold only visible ASCII characters, no spaces")
+        if h.allow_unauthenticated:
+            raise fail("http", "allow_unauthenticated", "set, but auth_token is set too")
+    elif not is_loopback(h.host) and not h.allow_unauthenticated:
+        raise ConfigError(
+            f"[http] auth_token: required (or auth_token_file) when [http] host is not a "
+            f"loopback address, got {h.host!r} from {src('http', 'host')}; or set "
+            "[http] allow_unauthenticated = true to serve anyone who can reach the port"
+        )
 
     if not cfg.snapshot.interval_s > 0:
         raise fail("snapshot", "interval_s", f"must be positive, got {cfg.snapshot.interval_s}")

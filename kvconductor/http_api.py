@@ -2,7 +2,8 @@
 
     app = make_app(conductor, metrics, ready=daemon.ready,
                    max_body_bytes=cfg.http.max_body_bytes,
-                   auth_token=reveal(cfg.http.auth_token))
+                   auth_token=reveal(cfg.http.auth_token),
+                   client_timeout_s=cfg.http.client_timeout_s)
 
 Endpoints:
 
@@ -16,7 +17,19 @@ Endpoints:
 
 Every error is JSON `{"error": "..."}`: 400, 401 (bearer token missing or
 wrong, when `auth_token` is set: on /query, /query_by_hash and /workers
-only), 404, 405 (with `Allow`), 413 (body over `max_body_bytes`), 500.
+only; with `WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
+not received within `client_timeout_s`), 413 (body over `max_body_bytes`,
+refused from its Content-Length before reading any of it, or once a chunked
+body passes it), 500, 503 (with `Retry-After`: more than
+`BODY_BUDGET_FACTOR * max_body_bytes` of request bodies buffered at once).
+A client that hangs up mid-request is counted in the metrics as 499.
+
+Slow clients: a connection must deliver each request's headers within
+`client_timeout_s` of connecting or of its previous answer, or it is closed
+(aiohttp's keep-alive timer, which also closes idle connections), and then
+the body within `client_timeout_s` more, or it gets 408. Answers 408 and 413
+close the connection. `Expect: 100-continue` is only answered with 100 when
+the body would be read (token right, declared size within the limit).
 
 The index is synchronous and fast, so handlers call it directly on the event
 loop: no executor hop, and no index mutation can interleave with a query.
@@ -24,6 +37,7 @@ loop: no executor hop, and no index mutation can interleave with a query.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Callable
 from time import perf_counter
@@ -31,9 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler
 
+from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
 from kvconductor.metrics import CONTENT_TYPE, Metrics
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
 
@@ -45,6 +60,11 @@ log = structlog.get_logger(__name__)
 JSON = "application/json"
 # Routes that need the bearer token when one is configured.
 PROTECTED = frozenset({"query", "query_by_hash", "workers"})
+# Request bodies buffered at once, in units of max_body_bytes: bounds memory
+# under many concurrent (or slow) large uploads; past it new bytes get 503.
+BODY_BUDGET_FACTOR = 4
+# Answers after which the connection is closed: the rest of the body is unread.
+_CLOSING = frozenset({408, 413})
 
 _token_decoder = msgspec.json.Decoder(TokenQuery)
 _hash_decoder = msgspec.json.Decoder(HashQuery)
@@ -91,11 +111,15 @@ class QueryApi:
         ready: Callable[[], tuple[bool, str]],
         max_body_bytes: int,
         auth_token: str | None,
+        client_timeout_s: float,
     ) -> None:
         self.conductor = conductor
         self.metrics = metrics
         self.ready_check = ready
         self.max_body_bytes = max_body_bytes
+        self.client_timeout_s = client_timeout_s
+        self.body_budget = BODY_BUDGET_FACTOR * max_body_bytes
+        self.buffered = 0  # bytes of request bodies held right now
         self._token = auth_token.encode("utf-8") if auth_token else None
         self._latency_query = metrics.query_latency.labels("query")
         self._latency_hash = metrics.query_latency.labels("query_by_hash")
@@ -107,30 +131,55 @@ class QueryApi:
         route = request.match_info.route.name
         endpoint = route if route is not None else "other"
         try:
-            if self._token is not None and route in PROTECTED:
-                self._authorize(request)
+            if route in PROTECTED and not self._authorized(request):
+                raise ApiError(
+                    401,
+                    "missing or invalid bearer token",
+                    {"WWW-Authenticate": 'Bearer realm="kvconductor"'},
+                )
             response = await handler(request)
         except ApiError as exc:
             response = error_response(exc.status, exc.message, exc.headers)
         except web.HTTPException as exc:
             response = self._http_exception(request, exc)
+        except ConnectionError:
+            # The client hung up mid-request: nobody reads this answer. Counted
+            # as nginx's 499, not logged (a router's timeout is not our error).
+            response = error_response(499, "client closed the connection")
         except Exception:
             log.exception("http_handler_failed", path=_shorten(request.path))
             response = error_response(500, "internal error")
+        if response.status in _CLOSING:
+            response.force_close()
         self.metrics.http_requests.labels(endpoint, str(response.status)).inc()
         return response
 
-    def _authorize(self, request: web.Request) -> None:
-        header = request.headers.get("Authorization", "")
-        scheme, _, credential = header.partition(" ")
-        given = credential.strip().encode("utf-8")
-        assert self._token is not None
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._token):
-            raise ApiError(
-                401,
-                "missing or invalid bearer token",
-                {"WWW-Authenticate": 'Bearer realm="kvconductor"'},
-            )
+    def _authorized(self, request: web.Request) -> bool:
+        if self._token is None:
+            return True
+        scheme, _, credential = request.headers.get(hdrs.AUTHORIZATION, "").partition(" ")
+        # Header values arrive as latin-1 text; the token is visible ASCII.
+        given = credential.strip().encode("latin-1", "replace")
+        # compare_digest first, always: its time depends on the lengths only.
+        return hmac.compare_digest(given, self._token) and scheme.lower() == "bearer"
+
+    def _declared_too_large(self, request: web.Request) -> bool:
+        length = request.content_length
+        return length is not None and length > self.max_body_bytes
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body too large (limit {self.max_body_bytes} bytes)")
+
+    async def expect(self, request: web.Request) -> None:
+        """`Expect: 100-continue`: invite the body only if it will be read; the
+        handler then answers 401 or 413 without the client ever sending it."""
+        if self._declared_too_large(request) or not self._authorized(request):
+            return
+        if request.version == HttpVersion11 and (
+            request.headers.get(hdrs.EXPECT, "").lower() == "100-continue"
+        ):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the answer proper has not started
 
     def _http_exception(self, request: web.Request, exc: web.HTTPException) -> web.Response:
         headers: dict[str, str] = {}
@@ -141,7 +190,7 @@ class QueryApi:
             if "Allow" in exc.headers:
                 headers["Allow"] = exc.headers["Allow"]
         elif exc.status == 413:
-            message = f"request body too large (limit {self.max_body_bytes} bytes)"
+            message = self._too_large().message
         else:
             message = exc.reason
         return error_response(exc.status, message, headers)
@@ -149,10 +198,35 @@ class QueryApi:
     # ------------------------------------------------------------ queries
 
     async def _body(self, request: web.Request) -> bytes:
-        length = request.content_length
-        if length is not None and length > self.max_body_bytes:
-            raise ApiError(413, f"request body too large (limit {self.max_body_bytes} bytes)")
-        return await request.read()  # raises 413 past client_max_size when chunked
+        """The whole body, within `max_body_bytes`, `client_timeout_s` and the
+        shared budget of buffered bodies."""
+        if self._declared_too_large(request):
+            raise self._too_large()
+        chunks: list[bytes] = []
+        held = 0
+        try:
+            async with asyncio.timeout(self.client_timeout_s):
+                while chunk := await request.content.readany():
+                    held += len(chunk)
+                    self.buffered += len(chunk)
+                    if held > self.max_body_bytes:  # chunked, or more than declared
+                        raise self._too_large()
+                    if self.buffered > self.body_budget:
+                        raise ApiError(
+                            503,
+                            "too many request bodies in flight, retry shortly",
+                            {"Retry-After": "1"},
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(
+                408, f"request body not received within {self.client_timeout_s:g} s"
+            ) from None
+        finally:
+            self.buffered -= held
+        # Decoding and answering follow without an await: the bytes released
+        # from the budget above are freed before another body is read.
+        return b"".join(chunks)
 
     async def query(self, request: web.Request) -> web.Response:
         return await self._answer(
@@ -180,6 +254,8 @@ class QueryApi:
                 raise ApiError(400, f"invalid query: {exc}") from None
             except msgspec.DecodeError as exc:
                 raise ApiError(400, f"malformed JSON: {exc}") from None
+            except RecursionError:  # msgspec skips unknown fields recursively
+                raise ApiError(400, "malformed JSON: nested too deeply") from None
             answer = self._run(method, req)
             return web.Response(body=_encoder.encode(answer), content_type=JSON)
         finally:
@@ -224,15 +300,27 @@ def make_app(
     ready: Callable[[], tuple[bool, str]],
     max_body_bytes: int,
     auth_token: str | None,
+    client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
 ) -> web.Application:
     """The aiohttp application serving the query API and operations endpoints."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    api = QueryApi(conductor, metrics, ready, max_body_bytes, auth_token)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[api.middleware])
+    if not client_timeout_s > 0:
+        raise ValueError(f"client_timeout_s must be positive, got {client_timeout_s}")
+    api = QueryApi(conductor, metrics, ready, max_body_bytes, auth_token, client_timeout_s)
+    app = web.Application(
+        client_max_size=max_body_bytes,
+        middlewares=[api.middleware],
+        # aiohttp closes a connection whose keep-alive timer fires while it
+        # waits for a request's headers, from connect or from the last answer:
+        # that is the header timeout (slowloris) as well as the idle one.
+        handler_args={"keepalive_timeout": client_timeout_s},
+    )
     app[API_KEY] = api
-    app.router.add_post("/query", api.query, name="query")
-    app.router.add_post("/query_by_hash", api.query_by_hash, name="query_by_hash")
+    app.router.add_post("/query", api.query, name="query", expect_handler=api.expect)
+    app.router.add_post(
+        "/query_by_hash", api.query_by_hash, name="query_by_hash", expect_handler=api.expect
+    )
     app.router.add_get("/workers", api.workers, name="workers")
     app.router.add_get("/health", api.health, name="health")
     app.router.add_get("/ready", api.ready, name="ready")

@@ -53,6 +53,7 @@ from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.index import Index, IndexLimits
+from kvconductor.kafka_errors import KafkaAccessError, check_access
 from kvconductor.metrics import Metrics
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.snapshot_store import SnapshotRead, read_snapshot
@@ -244,10 +245,12 @@ class Replica:
         """Restore from the snapshot topic, then follow in the background.
 
         All or nothing: on failure (the topic does not exist yet, Kafka is
-        unreachable) the index stays empty and `start()` may be retried."""
+        unreachable) the index stays empty and `start()` may be retried;
+        `KafkaAccessError` (credentials or certificate refused) is for good."""
         if self._task is not None or self._consumer is not None:
             raise ReplicaError("replica already started")
         k = self.cfg.kafka
+        await check_access(k)
         self.status = "restoring snapshot"
         consumer = AIOKafkaConsumer(**self._consumer_options("replica"), fetch_max_wait_ms=100)
         try:
@@ -498,6 +501,7 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
         ready=replica.ready,
         max_body_bytes=http.max_body_bytes,
         auth_token=reveal(http.auth_token),
+        client_timeout_s=http.client_timeout_s,
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -512,6 +516,9 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
             try:
                 await replica.start()
                 break
+            except KafkaAccessError as exc:
+                log.error(str(exc))
+                return 1
             except (KafkaError, OSError, ReplicaError) as exc:
                 replica.status = f"waiting for kafka: {exc}"
                 log.warning("replica cannot start yet; retrying", error=str(exc), retry_in_s=delay)

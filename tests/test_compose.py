@@ -1,6 +1,7 @@
 """docker-compose.yml: valid against the Compose Specification's JSON schema, and
 every service that runs kvconductor runs a command (and options, and env vars)
-that the package really has.
+that the package really has, and the daemon, listening on 0.0.0.0, gets the
+bearer token that the one-shot `http-token` service generates.
 
 The schema is the one `check-jsonschema` vendors (`vendor.compose-spec`, from
 the compose-spec/compose-spec repository, Apache-2.0); the YAML is read with
@@ -12,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import getpass
 import json
+import os
+import re
+import runpy
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ from kvconductor.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "Dockerfile"
 # The Dockerfile copies the repository's config/ folder here.
 IMAGE_CONFIG_DIR = "/etc/kvconductor/"
 
@@ -135,16 +141,91 @@ def test_service_command_exists_in_the_package(service: str) -> None:
             pytest.skip(f"{local.relative_to(REPO)} (mounted as {config}) does not exist yet")
 
 
+def image_env() -> dict[str, str]:
+    """The KVCONDUCTOR_* variables the Dockerfile's ENV sets for every container."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            for pair in line[4:].split():
+                key, _, value = pair.partition("=")
+                if key.startswith("KVCONDUCTOR_"):
+                    out[key] = value
+    return out
+
+
+def token_script() -> str:
+    script: str = load_compose()["services"]["http-token"]["command"][0]
+    return script
+
+
+def run_token_script(path: Path) -> None:
+    """The `http-token` service's script, writing to `path`, for this user."""
+    script = token_script().replace("/run/kvconductor/http-token", str(path))
+    script = script.replace('"kvconductor"', repr(getpass.getuser()))
+    source = path.parent / "make_token.py"
+    source.write_text(script)
+    runpy.run_path(str(source))
+
+
+def declared_env(service: str) -> dict[str, object]:
+    """The `environment` the compose file gives the service."""
+    env: dict[str, object] = kvconductor_services()[service]["environment"]
+    return env
+
+
+def service_env(service: str, token_file: Path) -> dict[str, str]:
+    """What the service's process sees: the image's ENV, then the service's;
+    the token file where this test wrote one."""
+    env = {**image_env(), **{k: str(v) for k, v in declared_env(service).items()}}
+    if "KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE" in env:
+        env["KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE"] = str(token_file)
+    return env
+
+
 @pytest.mark.parametrize("service", ["kvconductor", "engines"])
-def test_service_environment_is_a_valid_daemon_config(service: str) -> None:
-    svc = kvconductor_services()[service]
-    env = {k: str(v) for k, v in svc["environment"].items()}
+def test_service_environment_is_a_valid_daemon_config(service: str, tmp_path: Path) -> None:
+    assert image_env()["KVCONDUCTOR_HTTP_HOST"] == "0.0.0.0"  # what makes the token needed
+    token_file = tmp_path / "http-token"
+    run_token_script(token_file)
+    env = service_env(service, token_file)
     assert all(k.startswith("KVCONDUCTOR_") for k in env)
     try:
         cfg = load_config(REPO / "config" / "kvconductor.toml", env)
     except ConfigError as exc:  # pragma: no cover - the failure message is the point
         pytest.fail(f"{service}: {exc}")
     assert cfg.kafka.bootstrap_servers == "kafka:9092"
+
+
+def test_daemon_listens_everywhere_with_the_generated_token(tmp_path: Path) -> None:
+    services = load_compose()["services"]
+    daemon, maker = services["kvconductor"], services["http-token"]
+    token_path = declared_env("kvconductor")["KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE"]
+    assert isinstance(token_path, str)
+    # The daemon mounts, read-only, the volume the one-shot service writes.
+    (maker_volume,) = maker["volumes"]
+    volume, _, folder = maker_volume.partition(":")
+    assert f"{volume}:{folder}:ro" in daemon["volumes"]
+    assert token_path.startswith(folder + "/") and token_path in token_script()
+    assert volume in load_compose()["volumes"]
+    assert daemon["depends_on"]["http-token"]["condition"] == "service_completed_successfully"
+    assert maker["restart"] == "no"
+
+    token_file = tmp_path / "http-token"
+    run_token_script(token_file)
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and oct(os.stat(token_file).st_mode)[-3:] == "400"
+    run_token_script(token_file)  # a restart keeps the token
+    assert token_file.read_text().strip() == token
+    cfg = load_config(REPO / "config" / "kvconductor.toml", service_env("kvconductor", token_file))
+    assert cfg.http.host == "0.0.0.0"
+    assert cfg.http.auth_token is not None and cfg.http.auth_token.reveal() == token
+
+    # Without the token, the same environment is refused, naming the key.
+    env = service_env("kvconductor", token_file)
+    del env["KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE"]
+    with pytest.raises(ConfigError, match=re.escape("[http] auth_token: required")):
+        load_config(REPO / "config" / "kvconductor.toml", env)
 
 
 def test_bridge_environment_is_a_valid_bridge_config() -> None:

@@ -34,6 +34,7 @@ from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.daemon import topic_specs
+from kvconductor.kafka_errors import check_access
 from kvconductor.service import FatalError, serve_until_signalled
 
 log = structlog.get_logger("kvconductor.bridge")
@@ -218,6 +219,7 @@ class Bridge:
             delay = min(delay * 2, 10.0)
 
     async def _ensure_topics(self) -> None:
+        await check_access(self.cfg.kafka)  # a refused login or certificate: exit
         try:
             created = await ensure_topics_on(
                 self.cfg.kafka.bootstrap_servers,
