@@ -29,7 +29,8 @@ import datetime as dt
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -100,6 +101,18 @@ def unreachable(bootstrap: str, exc: BaseException) -> ToolError:
         f"cannot reach Kafka at {bootstrap}: {detail} "
         "(check --bootstrap or [kafka] bootstrap_servers / KVCONDUCTOR_KAFKA_BOOTSTRAP_SERVERS)"
     )
+
+
+@contextlib.contextmanager
+def writing_stdout(done: str = "") -> Iterator[None]:
+    """Output to stdout: a failed write (disk full, closed pipe) is one line,
+    after `done` (what already happened, e.g. a re-drive).
+
+    Only output goes in here, never Kafka calls, so an OSError is stdout's."""
+    try:
+        yield
+    except OSError as exc:
+        raise ToolError(f"{done}cannot write to stdout: {exc.strerror or exc}") from None
 
 
 @contextlib.asynccontextmanager
@@ -238,21 +251,26 @@ async def _list(args: argparse.Namespace, cfg: Config) -> int:
     selected = _select(found.records, args)
     if args.limit > 0:
         selected = selected[-args.limit :]
+    with writing_stdout():
+        _show(topic, found, selected, args.json)
+    return 0
 
+
+def _show(topic: str, found: Scan, selected: list[DeadLetter], as_json: bool) -> None:
     def redriven(d: DeadLetter) -> bool:
         return d.offset < found.cursors.get(d.partition, 0)
 
-    if args.json:
+    if as_json:
         for d in selected:
             print(json.dumps(d.as_json(redriven(d)), sort_keys=True))
-        return 0
+        return
     pending = sum(1 for d in found.records if not redriven(d))
     print(
         f"{topic}: {len(found.records)} dead letters, {pending} not re-driven yet"
         + (f"; showing {len(selected)}" if len(selected) != len(found.records) else "")
     )
     if not selected:
-        return 0
+        return
     rows = [
         [
             f"{d.partition}:{d.offset}" if len(found.ends) > 1 else str(d.offset),
@@ -268,7 +286,6 @@ async def _list(args: argparse.Namespace, cfg: Config) -> int:
     print_table(
         ["OFFSET", "DEAD-LETTERED (UTC)", "KIND", "SOURCE", "KEY", "REDRIVEN", "REASON"], rows
     )
-    return 0
 
 
 async def _redrive(args: argparse.Namespace, cfg: Config) -> int:
@@ -288,21 +305,8 @@ async def _redrive(args: argparse.Namespace, cfg: Config) -> int:
                 "name the target with --to"
             )
         if args.dry_run or not selected:
-            verb = "would re-drive" if args.dry_run else "nothing to re-drive:"
-            for d in selected:
-                print(
-                    f"{verb} offset {d.offset} ({d.kind}) -> {args.to or d.source_topic} "
-                    f"key={_short((d.key or b'').decode('utf-8', 'replace'), 40)}"
-                )
-            if not selected:
-                print(
-                    f"{verb} {len(candidates)} dead letters after the cursor, none selected"
-                    if candidates
-                    else f"{verb} every dead letter in {topic} was re-driven already "
-                    "(--all re-drives them again)"
-                )
-            else:
-                print(f"{len(selected)} records would be re-driven (dry run: nothing sent)")
+            with writing_stdout():
+                _show_dry_run(topic, candidates, selected, args)
             return 0
         producer = AIOKafkaProducer(
             bootstrap_servers=k.bootstrap_servers,
@@ -356,11 +360,34 @@ async def _redrive(args: argparse.Namespace, cfg: Config) -> int:
         f"{tp.partition}:{om.offset}" if len(found.cursors) > 1 else str(om.offset)
         for tp, om in commits.items()
     )
-    print(
-        f"re-drove {len(selected)} record{'s' if len(selected) != 1 else ''} ({where})"
-        + (f"; cursor now at offset {cursor_text}" if commits else "; cursor not moved")
-    )
+    records = f"{len(selected)} record{'s' if len(selected) != 1 else ''}"
+    with writing_stdout(f"re-drove {records}, but "):
+        print(
+            f"re-drove {records} ({where})"
+            + (f"; cursor now at offset {cursor_text}" if commits else "; cursor not moved"),
+            flush=True,
+        )
     return 0
+
+
+def _show_dry_run(
+    topic: str, candidates: list[DeadLetter], selected: list[DeadLetter], args: argparse.Namespace
+) -> None:
+    verb = "would re-drive" if args.dry_run else "nothing to re-drive:"
+    for d in selected:
+        print(
+            f"{verb} offset {d.offset} ({d.kind}) -> {args.to or d.source_topic} "
+            f"key={_short((d.key or b'').decode('utf-8', 'replace'), 40)}"
+        )
+    if not selected:
+        print(
+            f"{verb} {len(candidates)} dead letters after the cursor, none selected"
+            if candidates
+            else f"{verb} every dead letter in {topic} was re-driven already "
+            "(--all re-drives them again)"
+        )
+    else:
+        print(f"{len(selected)} records would be re-driven (dry run: nothing sent)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -369,7 +396,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = tool_config(args)
         action = _redrive if args.action == "redrive" else _list
-        return asyncio.run(action(args, cfg))
+        code = asyncio.run(action(args, cfg))
+        with writing_stdout():
+            sys.stdout.flush()  # a full disk or a closed pipe shows here at the latest
+        return code
     except ToolError as exc:
         return fail(exc, "kvconductor dead-letters")
     except KafkaError as exc:

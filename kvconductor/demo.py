@@ -63,6 +63,14 @@ def _say(message: str) -> None:
     print(f"demo: {message}", file=sys.stderr, flush=True)
 
 
+def _line(out: IO[str], text: str) -> None:
+    """One line of the demo's own output (a full disk or closed pipe ends the demo)."""
+    from kvconductor.dead_letter_tool import writing_stdout
+
+    with writing_stdout():
+        print(text, file=out, flush=True)
+
+
 class _Stderr:
     """Writes to whatever `sys.stderr` is at the time (rich's live view swaps it)."""
 
@@ -126,7 +134,7 @@ class Broker:
         _say("stopping the local Kafka broker the demo started")
         try:
             kafka_local.stop(self.data_dir)
-        except kafka_local.KafkaLocalError as exc:
+        except (kafka_local.KafkaLocalError, OSError) as exc:
             _say(f"could not stop the local broker: {exc}")
         self.started_here = False
 
@@ -168,6 +176,11 @@ def local_broker(cfg: Config, args: argparse.Namespace) -> Broker:
             address = kafka_local.start(data_dir, port=port)
     except kafka_local.KafkaLocalError as exc:
         raise ToolError(f"cannot start the local Kafka broker: {exc}") from None
+    except OSError as exc:  # its data folder: not a folder, read-only, disk full
+        raise ToolError(
+            f"cannot start the local Kafka broker in {exc.filename or data_dir}: "
+            f"{exc.strerror or exc}"
+        ) from None
     except KeyboardInterrupt:
         with contextlib.suppress(Exception):
             kafka_local.stop(data_dir)
@@ -511,8 +524,8 @@ async def demo(cfg: Config, args: argparse.Namespace, broker: Broker, out: IO[st
         st = ViewState(
             broker.note, url, "; ".join(s.describe for s in fleet), started=time.monotonic()
         )
-        print(f"kvconductor demo: broker {broker.note}, daemon {url}", file=out, flush=True)
-        print(f"engines: {st.fleet}; pool backend {DEMO_POOL}", file=out, flush=True)
+        _line(out, f"kvconductor demo: broker {broker.note}, daemon {url}")
+        _line(out, f"engines: {st.fleet}; pool backend {DEMO_POOL}")
         deadline = None if args.duration is None else time.monotonic() + args.duration
         async with Poller(url, reveal(cfg.http.auth_token), traffic) as poller:
             live: Any = None
@@ -545,10 +558,10 @@ async def demo(cfg: Config, args: argparse.Namespace, broker: Broker, out: IO[st
                     else:
                         now = time.monotonic()
                         if now - last_status >= PLAIN_STATUS_EVERY_S:
-                            print(status_line(st), file=out, flush=True)
+                            _line(out, status_line(st))
                             last_status = now
                         if q is not None:
-                            print(query_line(q), file=out, flush=True)
+                            _line(out, query_line(q))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), TICK_S)
             finally:
@@ -582,10 +595,9 @@ async def demo(cfg: Config, args: argparse.Namespace, broker: Broker, out: IO[st
         hit = (
             "no query hit" if st.first_hit_s is None else f"first hit after {st.first_hit_s:.1f} s"
         )
-        print(
+        _line(
+            out,
             f"demo: stopped engines and daemon; {st.total_queries} sample queries, {hit}",
-            file=out,
-            flush=True,
         )
     return code
 
@@ -697,10 +709,9 @@ async def engines_only(cfg: Config, args: argparse.Namespace, out: IO[str]) -> i
         if registrations:
             await register_with_bridge(args.via_bridge, registrations, args.wait, stop)
         task = asyncio.create_task(traffic.run(stop))
-        print(
+        _line(
+            out,
             f"demo engines -> {where}: " + "; ".join(e.spec.describe for e in traffic.engines),
-            file=out,
-            flush=True,
         )
         end = None if args.duration is None else time.monotonic() + args.duration
         while not stop.is_set() and not task.done():
@@ -712,11 +723,10 @@ async def engines_only(cfg: Config, args: argparse.Namespace, out: IO[str]) -> i
                 )
             s = traffic.stats
             rate = s.events / max(time.monotonic() - s.started, 1e-6)
-            print(
+            _line(
+                out,
                 f"engines: {s.requests} requests, {s.engine_records} engine records, "
                 f"{s.pool_records} pool records, {s.events} KV events ({rate:.0f}/s)",
-                file=out,
-                flush=True,
             )
     finally:
         stop.set()

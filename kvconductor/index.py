@@ -8,7 +8,7 @@ a record is applied whole or not at all.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import msgspec
 
@@ -42,6 +42,9 @@ class IndexLimits(msgspec.Struct, frozen=True):
     max_namespaces: int = 4096
     max_instances: int = 100_000
     max_blocks_per_owner: int = 4_000_000  # per (instance, dp rank, namespace)
+    # (instance, dp rank) pairs per namespace: each is a bit of every mask and
+    # a row of every answer.
+    max_owners_per_namespace: int = 4096
     # Content no tier holds any more, kept (per namespace, for the pending age)
     # so that a late confirmation or token-less store still finds it.
     max_retired_content: int = 200_000
@@ -70,6 +73,8 @@ class Index:
         self.limits = limits or IndexLimits()
         self.namespaces: dict[NamespaceKey, NamespaceIndex] = {}
         self.instances: dict[str, InstanceState] = {}
+        # Instances holding no block, least recently heard from first.
+        self.idle: OrderedDict[str, None] = OrderedDict()
         self.counters: Counter[str] = Counter()
         # (source, tier name) -> blocks applied
         self.applied: Counter[tuple[str, str]] = Counter()
@@ -93,6 +98,7 @@ class Index:
                 lim.max_retired_content,
                 self.counters,
                 self.dirty,
+                lim.max_owners_per_namespace,
             )
             self.namespaces[key] = ns
         ns.expire(self.now)
@@ -105,11 +111,33 @@ class Index:
     def _instance(self, instance: str) -> InstanceState | None:
         state = self.instances.get(instance)
         if state is None:
-            if len(self.instances) >= self.limits.max_instances:
+            if len(self.instances) >= self.limits.max_instances and not self._reclaim_idle():
                 self.counters["instance_limit_dropped"] += 1
                 return None
             state = self.instances[instance] = InstanceState()
         return state
+
+    def _reclaim_idle(self) -> bool:
+        """Forget the instance that holds nothing for longest (announced, then
+        silent: a pod that restarted under a new name)."""
+        if not self.idle:
+            return False
+        name, _ = self.idle.popitem(last=False)
+        self.remove_instance(name)
+        self.counters["instance_limit_reclaimed"] += 1
+        return True
+
+    def _note_idle(self, instance: str, state: InstanceState) -> None:
+        held = any(
+            instance in ns.owners
+            for key in state.namespaces
+            if (ns := self.namespaces.get(key)) is not None
+        )
+        if held:
+            self.idle.pop(instance, None)
+        else:
+            self.idle[instance] = None
+            self.idle.move_to_end(instance)
 
     def _tick(self, now: float) -> None:
         if now > self.now:
@@ -167,6 +195,7 @@ class Index:
                         done += ns.clear_owner(instance, rank)
                         self._gc(ns)
                 self.counters["engine_clears"] += 1
+        self._note_idle(instance, state)
         return done
 
     def _engine_stored(
@@ -195,7 +224,12 @@ class Index:
         )
         if ns is None:
             return 0
-        state.namespaces.add(ns.key)
+        if ns.key not in state.namespaces:
+            state.namespaces.add(ns.key)
+            if len(state.namespaces) > 2 * self.limits.max_namespaces:
+                # Forget the namespaces the index dropped since (emptied): at
+                # least half of them, so this costs O(1) per store amortised.
+                state.namespaces &= self.namespaces.keys()
         if meta.offload_pool and tier != DEVICE:
             done = ns.offload_intent(
                 ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.extra_keys
@@ -281,6 +315,7 @@ class Index:
     def remove_instance(self, instance: str) -> bool:
         """Forget an instance entirely: all its tiers, pending halves, state."""
         state = self.instances.pop(instance, None)
+        self.idle.pop(instance, None)
         if state is None:
             return False
         self.dirty.instances.add(instance)

@@ -355,7 +355,7 @@ def fetch_jars(libs: Path | None = None) -> Path:
             raise KafkaLocalError(f"mvn could not fetch the Kafka jars (exit {result.returncode})")
         if not (libs / f"kafka_2.13-{version}.jar").is_file():
             raise KafkaLocalError(f"mvn ran but kafka_2.13-{version}.jar is not in {libs}")
-        (libs / FETCHED_MARKER).write_text(stamp + "\n")
+        _write(libs / FETCHED_MARKER, stamp + "\n")
         jars = list(libs.glob("*.jar"))
         size_mib = sum(j.stat().st_size for j in jars) / 2**20
         elapsed = time.monotonic() - started
@@ -411,6 +411,14 @@ def _existing_cluster_id(data_dir: Path) -> str | None:
         if key.strip() == "cluster.id" and value.strip():
             return value.strip()
     return None
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``; a failure (disk full, read-only) names the file."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise KafkaLocalError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -817,7 +825,7 @@ def start(
                 f"choose others with --port/--controller-port or {ENV_PORT}"
             )
         props = data_dir / "server.properties"
-        props.write_text(render_properties(data_dir, listeners, controller_port))
+        _write(props, render_properties(data_dir, listeners, controller_port))
         logs = data_dir / "logs"
         logs.mkdir(exist_ok=True)
 
@@ -854,7 +862,13 @@ def start(
             )
         _CHILDREN[child.pid] = child
         bootstrap = f"{HOST}:{port}"
-        (data_dir / PID_FILE).write_text(f"{child.pid}\n")
+        try:
+            _write(data_dir / PID_FILE, f"{child.pid}\n")
+        except KafkaLocalError:
+            # Untracked, it would outlive every `stop`.
+            child.kill()
+            child.wait()
+            raise
         state = {
             "pid": child.pid,
             "bootstrap": bootstrap,
@@ -866,7 +880,7 @@ def start(
             "libs": str(libs),
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        (data_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        _write(data_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
         return _ready_or_raise(data_dir, bootstrap, port, child.pid, wait_s, started, fresh=True)
 
 
@@ -1040,6 +1054,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(fetch_jars())
     except KafkaLocalError as exc:
         print(f"kafka-local: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a folder that is not one, a read-only disk, stdout full
+        where = exc.filename or "stdout"
+        print(f"kafka-local: error: cannot write {where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvconductor.logs import dropped_lines
+
 if TYPE_CHECKING:
     from kvconductor.core import Conductor
 
@@ -86,6 +88,11 @@ class ConductorCollector(Collector):
             "kvconductor_namespaces", "Namespaces (tenant, model, block size, LoRA, salt) indexed."
         )
         instances = GaugeMetricFamily("kvconductor_instances", "Engine instances tracked.")
+        dropped = CounterMetricFamily(
+            "kvconductor_log_lines_dropped",
+            "Log lines dropped: the log stream was full or stalled.",
+            value=dropped_lines(),
+        )
         if conductor is not None:
             for kind, n in sorted(conductor.counters.items()):
                 events.add_metric([kind], n)
@@ -96,7 +103,7 @@ class ConductorCollector(Collector):
                 pending.add_metric([kind], by_kind.get(kind, 0))
             namespaces.add_metric([], len(conductor.index.namespaces))
             instances.add_metric([], len(conductor.index.instances))
-        return [events, applied, pending, namespaces, instances]
+        return [events, applied, pending, namespaces, instances, dropped]
 
 
 class Metrics:

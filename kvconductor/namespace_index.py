@@ -120,12 +120,14 @@ class NamespaceIndex:
         max_retired: int,
         counters: Counter[str],
         dirty: Dirty,
+        max_owners: int = 4096,
     ) -> None:
         self.key = key
         self.dirty = dirty
         self.block_size = key.block_size
         self.seed = lora_seed(key.lora_name)
         self.max_blocks_per_owner = max_blocks_per_owner
+        self.max_owners = max_owners
         self.counters = counters
         self.masks: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
         self.pool_counts: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
@@ -279,12 +281,15 @@ class NamespaceIndex:
 
     # ------------------------------------------------------------ owners
 
-    def _owner(self, instance: str, rank: int) -> Owner:
+    def _owner(self, instance: str, rank: int) -> Owner | None:
+        """The owner, created if there is room for one more (else None)."""
         ranks = self.owners.get(instance)
-        if ranks is None:
-            ranks = self.owners[instance] = {}
-        owner = ranks.get(rank)
+        owner = ranks.get(rank) if ranks is not None else None
         if owner is None:
+            if len(self.slots) - len(self.free_slots) >= self.max_owners:
+                return None
+            if ranks is None:
+                ranks = self.owners[instance] = {}
             if self.free_slots:
                 slot = self.free_slots.pop()
             else:
@@ -294,6 +299,12 @@ class NamespaceIndex:
             self.slots[slot] = owner
             self.all_bits |= owner.bit
         self.dirty.owners.add((self.key, instance, rank))
+        return owner
+
+    def restored_owner(self, instance: str, rank: int) -> Owner:
+        owner = self._owner(instance, rank)
+        if owner is None:
+            raise ValueError("snapshot holds more owners than index.max_owners_per_namespace")
         return owner
 
     def _retire_if_empty(self, owner: Owner) -> None:
@@ -423,6 +434,9 @@ class NamespaceIndex:
         if kind == "o":
             assert isinstance(where, int)
             owner = self._owner(name, where)
+            if owner is None:
+                self.counters["owner_limit_dropped"] += 1
+                return
             self._place_owner(owner, tier, (seq,), (ident,))
             self._retire_if_empty(owner)
         else:
@@ -484,10 +498,19 @@ class NamespaceIndex:
         extra: Sequence[int | None] | None,
     ) -> int:
         """An engine stores blocks in its own tier; returns blocks placed now."""
+        owner = self._owner(instance, rank)
+        if owner is None:
+            self.counters["owner_limit_dropped"] += len(seqs)
+            return 0
+        if owner.size() >= self.max_blocks_per_owner:
+            # A full owner's store is dropped whole, before any of it can wait
+            # in the pending queue for a parent that was itself dropped.
+            held = owner.tiers[tier]
+            self.counters["owner_capacity_dropped"] += sum(1 for s in seqs if s not in held)
+            return 0
         idents: list[int] | None = None
         if token_ids:
             seqs, idents = self._chain(seqs, parent, token_ids, extra, False)
-        owner = self._owner(instance, rank)
         if idents is not None:
             placed = self._place_owner(owner, tier, seqs, idents)
             self._learn(seqs, idents)
@@ -679,7 +702,7 @@ class NamespaceIndex:
         content = self.content
         held: Counter[int] = Counter()
         for instance, rank, tiers in owners:
-            owner = self._owner(instance, rank)
+            owner = self.restored_owner(instance, rank)
             bit = owner.bit
             for tier, (seqs, idents) in enumerate(tiers):
                 if not seqs:

@@ -352,7 +352,7 @@ def drop_namespaces(index: Index, drop: Callable[[NamespaceKey], bool]) -> None:
 
 def _restore_owner(ns: NamespaceIndex, unit: OwnerUnit) -> None:
     """Place one owner unit block by block (into a namespace that holds more)."""
-    owner = ns._owner(unit.instance, unit.rank)
+    owner = ns.restored_owner(unit.instance, unit.rank)
     for tier in (DEVICE, HOST, DISK):
         seqs = _unpack(unit.seqs[tier])
         if seqs:
