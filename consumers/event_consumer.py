@@ -97,6 +97,9 @@ class EventConsumer:
         # fetched before a rebalance is dropped (the hooks' seeks re-deliver it).
         self.lock = asyncio.Lock()
         self.epoch = 0
+        # Wall-clock time Kafka was last heard from, besides fetch responses
+        # (see `silent_for`).
+        self._heard = time.time()
 
     def subscribe(self) -> None:
         topics = (
@@ -124,6 +127,7 @@ class EventConsumer:
                 # The seek targets, not position(): a getmany running in the
                 # other task may already have handed out records past them.
                 self.applied_offsets.update(await self.on_assign(assigned))
+            self._heard = time.time()
         log.info(
             "partitions assigned", partitions=sorted(f"{t.topic}/{t.partition}" for t in assigned)
         )
@@ -133,6 +137,8 @@ class EventConsumer:
         epoch = self.epoch
         batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
         handled = 0
+        if batch:
+            self._heard = time.time()
         async with self.lock:
             expected = self.applied_offsets
             if epoch != self.epoch:
@@ -218,6 +224,21 @@ class EventConsumer:
             offset=record.offset,
         )
         await self.dead_letters.send(record, kind, reason)
+
+    def silent_for(self) -> float:
+        """Seconds since Kafka last answered this consumer.
+
+        A healthy broker answers every fetch within `fetch_max_wait_ms`, with
+        records or without, and each answer stamps its partitions. The
+        fetcher skips partitions whose fetched records are still unread, so a
+        batch handed out counts as an answer too, and so does an assignment
+        (the first fetch has not come back yet)."""
+        heard = self._heard
+        for tp in self.consumer.assignment():
+            stamp = self.consumer.last_poll_timestamp(tp)
+            if stamp is not None:
+                heard = max(heard, stamp / 1000.0)
+        return max(0.0, time.time() - heard)
 
     def _measure_lag(self) -> None:
         for tp in self.consumer.assignment():

@@ -42,8 +42,10 @@ from consumers.topics import TopicError, TopicSpec, ensure_topics_on
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
+from kvconductor.kafka_errors import check_access
 from kvconductor.metrics import Metrics
 from kvconductor.namespace_index import NamespaceKey
+from kvconductor.overflow_log import OverflowLog
 from kvconductor.service import FatalError, serve_until_signalled
 from kvconductor.snapshot_store import SnapshotPublisher, SnapshotRead, read_snapshot
 from kvconductor.snapshots import UnitKey, drop_namespaces, restore, unit_namespace
@@ -52,6 +54,9 @@ log = structlog.get_logger("kvconductor.daemon")
 
 EXPIRE_EVERY_S = 1.0
 POLL_TIMEOUT_MS = 200
+# A broker answers a fetch every fetch_max_wait_ms (0.5 s) even when idle:
+# this long without an answer means it is gone, frozen or unreachable.
+KAFKA_SILENCE_S = 10.0
 
 
 def _progress_log(every_s: float = 2.0) -> Callable[[int, int], None]:
@@ -106,6 +111,7 @@ class Daemon:
         self.cfg = cfg
         self.conductor = Conductor(cfg.index)
         self.metrics = Metrics(self.conductor)
+        self.overflow = OverflowLog()
         self.stopping = asyncio.Event()
         self.status = "starting"
         self.http_port: int | None = None
@@ -132,6 +138,9 @@ class Daemon:
         events = self.events
         if events is None or not events.consumer.assignment():
             return False, "waiting for partition assignment"
+        silent = events.silent_for()
+        if silent > KAFKA_SILENCE_S:
+            return False, f"kafka unavailable: no answer for {silent:.0f} s"
         if not events.caught_up:
             return False, "catching up"
         return True, "ready"
@@ -146,6 +155,7 @@ class Daemon:
             ready=self.ready,
             max_body_bytes=http.max_body_bytes,
             auth_token=reveal(http.auth_token),
+            client_timeout_s=http.client_timeout_s,
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -193,6 +203,7 @@ class Daemon:
         opts = kafka_client_options(self.cfg.kafka)
 
         async def attempt() -> None:
+            await check_access(self.cfg.kafka)  # a refused login or certificate: exit
             try:
                 created = await ensure_topics_on(
                     self.cfg.kafka.bootstrap_servers,
@@ -465,6 +476,7 @@ class Daemon:
                         await client.stop()
             if self._runner is not None:
                 await self._runner.cleanup()
+            self.overflow.check(self.conductor.counters, time.monotonic(), force=True)
             log.info("stopped")
 
     async def _loop(self) -> None:
@@ -484,6 +496,7 @@ class Daemon:
             now = time.monotonic()
             if now - last_expire >= EXPIRE_EVERY_S:
                 self.conductor.expire(self.conductor.index.now)
+                self.overflow.check(self.conductor.counters, now)
                 last_expire = now
             if now - last_checkpoint >= interval:
                 try:
