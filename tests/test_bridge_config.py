@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import msgspec
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
-from kvconductor.bridge.config import load_bridge_config
+from kvconductor.bridge.config import BridgeSettings, load_bridge_config
+from kvconductor.bridge.http import make_app
+from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.registry import InvalidRegistration, RegisterBody, to_publisher
 from kvconductor.cli import build_parser
 from kvconductor.config import ConfigError
@@ -96,6 +102,165 @@ def test_errors_are_one_line_and_name_the_key(
     message = str(info.value)
     assert "\n" not in message
     assert needle in message, message
+
+
+def test_example_config_lists_every_bridge_key() -> None:
+    text = EXAMPLE.read_text()
+    section = text.split("\n[bridge]\n", 1)[1].split("\n[log]\n", 1)[0]
+    listed = re.findall(r"^(\w+) = ", section, re.M)
+    assert listed == [f.name for f in msgspec.structs.fields(BridgeSettings)]
+
+
+# ------------------------------------------------------------ authentication
+#
+# The daemon's [http] rule, applied to [bridge]: open on loopback, a token on
+# any other address unless allow_unauthenticated = true (never both).
+
+REQUIRED = (
+    "config error: [bridge] auth_token: required (or auth_token_file) when [bridge] host is "
+    "not a loopback address, got {host!r} from {source}; or set [bridge] "
+    "allow_unauthenticated = true to let anyone who can reach the port register publishers"
+)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "[::]", "bridge", "example.com"])
+def test_non_loopback_host_without_token_is_one_line_error(host: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_bridge_config(None, env={"KVCONDUCTOR_BRIDGE_HOST": host})
+    assert str(info.value) == REQUIRED.format(host=host, source="KVCONDUCTOR_BRIDGE_HOST")
+
+
+def test_non_loopback_host_from_the_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bridge.toml"
+    path.write_text('[bridge]\nhost = "0.0.0.0"\n')
+    with pytest.raises(ConfigError) as info:
+        load_bridge_config(path, env={})
+    assert str(info.value) == REQUIRED.format(host="0.0.0.0", source=path)
+
+
+def test_non_loopback_host_with_token_loads(tmp_path: Path) -> None:
+    cfg = load_bridge_config(
+        None, env={"KVCONDUCTOR_BRIDGE_HOST": "0.0.0.0", "KVCONDUCTOR_BRIDGE_AUTH_TOKEN": "s3cret"}
+    )
+    assert cfg.bridge.host == "0.0.0.0" and cfg.bridge.allow_unauthenticated is False
+    assert cfg.bridge.auth_token is not None and cfg.bridge.auth_token.reveal() == "s3cret"
+    token = tmp_path / "token"
+    token.write_text("from-a-file\n")
+    env = {"KVCONDUCTOR_BRIDGE_HOST": "10.0.0.5", "KVCONDUCTOR_BRIDGE_AUTH_TOKEN_FILE": str(token)}
+    cfg = load_bridge_config(EXAMPLE, env=env)
+    assert cfg.bridge.auth_token is not None and cfg.bridge.auth_token.reveal() == "from-a-file"
+
+
+def test_non_loopback_host_with_explicit_opt_out_loads(tmp_path: Path) -> None:
+    env = {"KVCONDUCTOR_BRIDGE_HOST": "0.0.0.0", "KVCONDUCTOR_BRIDGE_ALLOW_UNAUTHENTICATED": "true"}
+    cfg = load_bridge_config(EXAMPLE, env=env)
+    assert cfg.bridge.allow_unauthenticated is True and cfg.bridge.auth_token is None
+    path = tmp_path / "bridge.toml"
+    path.write_text('[bridge]\nhost = "0.0.0.0"\nallow_unauthenticated = true\n')
+    assert load_bridge_config(path, env={}).bridge.allow_unauthenticated is True
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KVCONDUCTOR_BRIDGE_AUTH_TOKEN": "s3cret"},
+        {"KVCONDUCTOR_BRIDGE_AUTH_TOKEN": "s3cret", "KVCONDUCTOR_BRIDGE_HOST": "0.0.0.0"},
+        {"KVCONDUCTOR_BRIDGE_AUTH_TOKEN_FILE": "TOKEN_FILE"},
+    ],
+)
+def test_opt_out_with_a_token_is_an_error(tmp_path: Path, env: dict[str, str]) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    env = {k: str(token) if v == "TOKEN_FILE" else v for k, v in env.items()}
+    env["KVCONDUCTOR_BRIDGE_ALLOW_UNAUTHENTICATED"] = "true"
+    with pytest.raises(ConfigError) as info:
+        load_bridge_config(None, env=env)
+    assert str(info.value) == (
+        "config error: [bridge] allow_unauthenticated: set, but auth_token is set too "
+        "(from KVCONDUCTOR_BRIDGE_ALLOW_UNAUTHENTICATED)"
+    )
+    assert "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_loopback_host_needs_no_token(host: str) -> None:
+    cfg = load_bridge_config(EXAMPLE, env={"KVCONDUCTOR_BRIDGE_HOST": host})
+    assert cfg.bridge.host == host and cfg.bridge.auth_token is None
+    assert load_bridge_config(None, env={}).bridge.host == "127.0.0.1"  # the default
+
+
+@pytest.mark.parametrize(
+    ("token", "needle"),
+    [
+        ("   ", "[bridge] auth_token: must not be blank"),
+        ("two words", "[bridge] auth_token: may hold only visible ASCII characters, no spaces"),
+        ("caf\u00e9", "[bridge] auth_token: may hold only visible ASCII characters, no spaces"),
+    ],
+)
+def test_token_must_fit_in_a_header(token: str, needle: str) -> None:
+    env = {"KVCONDUCTOR_BRIDGE_HOST": "0.0.0.0", "KVCONDUCTOR_BRIDGE_AUTH_TOKEN": token}
+    with pytest.raises(ConfigError) as info:
+        load_bridge_config(None, env=env)
+    message = str(info.value)
+    assert "\n" not in message and needle in message, message
+
+
+class _StubBridge:
+    """What `make_app` uses of a Bridge, without Kafka or ZMQ."""
+
+    def __init__(self) -> None:
+        self.metrics = BridgeMetrics()
+        self.metrics.messages.labels("vllm-secret-0", "0").inc()
+        self.registry = None  # registrations off: an authorized /register gets 404
+        self.sink = SimpleNamespace(update_gauges=lambda: None)
+
+    def describe(self) -> dict[str, object]:
+        return {"streams": [{"id": "vllm-secret-0", "endpoint": "tcp://10.0.0.5:5557"}]}
+
+    def health(self) -> tuple[bool, dict[str, object]]:
+        return True, {"status": "ok"}
+
+
+PROTECTED = [("POST", "/register"), ("POST", "/unregister"), ("GET", "/publishers")]
+OPEN = [("GET", "/health"), ("GET", "/metrics")]
+REGISTRATION = {
+    "endpoint": "tcp://10.0.0.9:5557",
+    "type": "vLLM",
+    "modelname": "m",
+    "instance_id": "intruder",
+    "block_size": 16,
+    "dp_rank": 0,
+}
+
+
+async def _call(client: TestClient[Any, Any], method: str, path: str, **kw: Any) -> int:
+    body = REGISTRATION if path == "/register" else {"instance_id": "x", "dp_rank": 0}
+    json = body if method == "POST" else None
+    async with client.request(method, path, json=json, **kw) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_with_a_token_state_changes_and_the_publisher_list_need_it() -> None:
+    app = make_app(_StubBridge(), auth_token="s3cret")  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        for method, path in PROTECTED:
+            assert await _call(client, method, path) == 401, path
+            for header in ("Bearer wrong", "s3cret", "Bearer s3cret2", "Basic s3cret"):
+                status = await _call(client, method, path, headers={"Authorization": header})
+                assert status == 401, (path, header)
+            good = await _call(client, method, path, headers={"Authorization": "Bearer s3cret"})
+            assert good != 401, path
+        # Orchestrators' probes and scrapers need none.
+        for method, path in OPEN:
+            assert await _call(client, method, path) == 200, path
+
+
+async def test_without_a_token_everything_is_open() -> None:
+    app = make_app(_StubBridge(), auth_token=None)  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        for method, path in PROTECTED + OPEN:
+            assert await _call(client, method, path) != 401, path
 
 
 def test_registration_bodies() -> None:

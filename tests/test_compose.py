@@ -1,7 +1,8 @@
 """docker-compose.yml: valid against the Compose Specification's JSON schema, and
 every service that runs kvconductor runs a command (and options, and env vars)
-that the package really has, and the daemon, listening on 0.0.0.0, gets the
-bearer token that the one-shot `http-token` service generates.
+that the package really has, and the daemon and the bridge, listening on
+0.0.0.0, get the bearer token that the one-shot `http-token` service
+generates, which the engines send when they register with the bridge.
 
 The schema is the one `check-jsonschema` vendors (`vendor.compose-spec`, from
 the compose-spec/compose-spec repository, Apache-2.0); the YAML is read with
@@ -12,12 +13,15 @@ installed the tests skip and say so.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import getpass
 import json
 import os
 import re
 import runpy
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -178,9 +182,14 @@ def service_env(service: str, token_file: Path) -> dict[str, str]:
     """What the service's process sees: the image's ENV, then the service's;
     the token file where this test wrote one."""
     env = {**image_env(), **{k: str(v) for k, v in declared_env(service).items()}}
-    if "KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE" in env:
-        env["KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE"] = str(token_file)
+    for key in TOKEN_FILE_VARS:
+        if key in env:
+            env[key] = str(token_file)
     return env
+
+
+# The daemon's and the bridge's `auth_token_file` overrides.
+TOKEN_FILE_VARS = ("KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE", "KVCONDUCTOR_BRIDGE_AUTH_TOKEN_FILE")
 
 
 @pytest.mark.parametrize("service", ["kvconductor", "engines"])
@@ -228,13 +237,97 @@ def test_daemon_listens_everywhere_with_the_generated_token(tmp_path: Path) -> N
         load_config(REPO / "config" / "kvconductor.toml", env)
 
 
-def test_bridge_environment_is_a_valid_bridge_config() -> None:
+def test_bridge_environment_is_a_valid_bridge_config(tmp_path: Path) -> None:
     try:
         from kvconductor.bridge.config import load_bridge_config
     except ImportError:
         pytest.skip("kvconductor.bridge.config is not there yet (being built elsewhere)")
-    svc = kvconductor_services()["bridge"]
-    env = {k: str(v) for k, v in svc["environment"].items()}
-    cfg = load_bridge_config(None, env)
+    token_file = tmp_path / "http-token"
+    run_token_script(token_file)
+    token = token_file.read_text().strip()
+    env = service_env("bridge", token_file)
+    cfg = load_bridge_config(REPO / "config" / "bridge.toml", env)
     assert cfg.kafka.bootstrap_servers == "kafka:9092"
     assert cfg.bridge.host == "0.0.0.0"
+    assert cfg.bridge.auth_token is not None and cfg.bridge.auth_token.reveal() == token
+    assert cfg.bridge.allow_unauthenticated is False
+
+    # Without the token, the same environment is refused, naming the key.
+    del env["KVCONDUCTOR_BRIDGE_AUTH_TOKEN_FILE"]
+    with pytest.raises(ConfigError, match=re.escape("[bridge] auth_token: required")):
+        load_bridge_config(REPO / "config" / "bridge.toml", env)
+
+
+def test_bridge_and_engines_share_the_generated_token() -> None:
+    services = load_compose()["services"]
+    (maker_volume,) = services["http-token"]["volumes"]
+    volume, _, folder = maker_volume.partition(":")
+    daemon_path = declared_env("kvconductor")["KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE"]
+    for name in ("bridge", "engines"):
+        svc = services[name]
+        # The same file as the daemon's, from the same volume, read-only.
+        assert declared_env(name)["KVCONDUCTOR_BRIDGE_AUTH_TOKEN_FILE"] == daemon_path, name
+        assert f"{volume}:{folder}:ro" in svc["volumes"], name
+        assert svc["depends_on"]["http-token"]["condition"] == "service_completed_successfully"
+
+
+def engines_entrypoint() -> list[str]:
+    """The engines' entrypoint as the container runs it: Compose turns `$$` into `$`."""
+    entrypoint: list[str] = load_compose()["services"]["engines"]["entrypoint"]
+    return [part.replace("$$", "$") for part in entrypoint]
+
+
+def test_engines_entrypoint_hands_the_token_to_the_command(tmp_path: Path) -> None:
+    sh = shutil.which("sh")
+    if sh is None:  # pragma: no cover - every POSIX system has one
+        pytest.skip("no sh to run the entrypoint with")
+    entrypoint = engines_entrypoint()
+    assert entrypoint[0] == "/bin/sh"  # the image (python:*-slim) has it
+    token_file = tmp_path / "http-token"
+    run_token_script(token_file)
+    token = token_file.read_text().strip()
+    env = {"PATH": os.environ["PATH"], "KVCONDUCTOR_BRIDGE_AUTH_TOKEN_FILE": str(token_file)}
+    # The service's command comes after the entrypoint; `env` stands in for it.
+    run = subprocess.run(
+        [sh, *entrypoint[1:], "env"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert run.returncode == 0, run.stderr
+    assert f"KVCONDUCTOR_BRIDGE_AUTH_TOKEN={token}" in run.stdout.splitlines()
+    # Arguments reach the command untouched.
+    run = subprocess.run(
+        [sh, *entrypoint[1:], "printf", "%s|", "a b", "$HOME"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.stdout == "a b|$HOME|"
+    # No token file: the container fails (and restarts) instead of registering without.
+    env["KVCONDUCTOR_BRIDGE_AUTH_TOKEN_FILE"] = str(tmp_path / "missing")
+    run = subprocess.run(
+        [sh, *entrypoint[1:], "true"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert run.returncode != 0
+
+
+async def test_demo_engines_send_the_bridge_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvconductor demo --via-bridge` registers with the token the entrypoint exports."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from kvconductor.demo import register_with_bridge
+
+    seen: list[str | None] = []
+
+    async def register(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"status": "registered successfully"})
+
+    app = web.Application()
+    app.router.add_post("/register", register)
+    monkeypatch.setenv("KVCONDUCTOR_BRIDGE_AUTH_TOKEN", "t0ken")
+    async with TestServer(app, host="127.0.0.1") as server:
+        url = str(server.make_url("")).rstrip("/")
+        body = {"instance_id": "e", "dp_rank": 0}
+        await register_with_bridge(url, [body], 5.0, asyncio.Event())
+    assert seen == ["Bearer t0ken"]

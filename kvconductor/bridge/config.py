@@ -7,7 +7,9 @@ the TOML file < `KVCONDUCTOR_<SECTION>_<KEY>` env vars for the `kafka`,
 `bridge` and `log` sections; unknown sections or keys, wrong types and
 out-of-range values raise a one-line `ConfigError` naming the key. `[kafka]`
 is the daemon's own `KafkaConfig`, parsed and validated by the daemon's
-helpers, so one env file can serve both processes.
+helpers, so one env file can serve both processes. `[bridge]` follows the
+daemon's `[http]` rule: a non-loopback `host` needs an `auth_token` unless
+`allow_unauthenticated = true`.
 
 Publishers come from `[[publishers]]` tables (not from the environment) and
 at run time from `POST /register`; both go through `publisher_from_mapping`.
@@ -47,6 +49,9 @@ class BridgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8788
     auth_token: Secret | None = None
     auth_token_file: str | None = None
+    # Serve /register and friends without a token on a non-loopback address
+    # (like [http] allow_unauthenticated); docs/bridge.md spells out the risk.
+    allow_unauthenticated: bool = False
     client_id: str = "kvconductor-bridge"
     group_id: str = "kvconductor-bridge"
     registrations: bool = True
@@ -289,8 +294,25 @@ def _validate_settings(
         raise fail("host", "must not be empty")
     if not 0 <= b.port <= 65535:
         raise fail("port", f"must be in [0, 65535], got {b.port}")
-    if b.auth_token is not None and not b.auth_token.reveal().strip():
-        raise fail("auth_token", "must not be blank")
+    # The daemon's rule for its query API ([http] in kvconductor.config): open
+    # on loopback, a token anywhere else unless explicitly opted out, since
+    # whoever reaches the port can register publishers (inject events).
+    if b.auth_token is not None:
+        token = b.auth_token.reveal()
+        if not token.strip():
+            raise fail("auth_token", "must not be blank")
+        # It travels in a header: visible ASCII only, as RFC 6750's b64token.
+        if not all("!" <= c <= "~" for c in token):
+            raise fail("auth_token", "may hold only visible ASCII characters, no spaces")
+        if b.allow_unauthenticated:
+            raise fail("allow_unauthenticated", "set, but auth_token is set too")
+    elif not base.is_loopback(b.host) and not b.allow_unauthenticated:
+        raise ConfigError(
+            f"[bridge] auth_token: required (or auth_token_file) when [bridge] host is not a "
+            f"loopback address, got {b.host!r} from {src('bridge', 'host')}; or set "
+            "[bridge] allow_unauthenticated = true to let anyone who can reach the port "
+            "register publishers"
+        )
     for key in ("client_id", "group_id"):
         if not getattr(b, key).strip():
             raise fail(key, "must not be empty")
