@@ -47,6 +47,7 @@ from consumers.dead_letters import (
     DLQ_TOPIC,
 )
 from kvconductor.config import Config, KafkaConfig, kafka_client_options
+from kvconductor.kafka_errors import KafkaAccessError, check_access
 from kvconductor.termui import Progress, ToolError, fail, print_table, tool_config
 
 
@@ -117,6 +118,13 @@ def writing_stdout(done: str = "") -> Iterator[None]:
 
 @contextlib.asynccontextmanager
 async def _consumer(k: KafkaConfig, timeout_s: float) -> AsyncIterator[AIOKafkaConsumer]:
+    try:
+        # aiokafka reports a refused login or certificate as unreachable.
+        await check_access(k, timeout_s)
+    except KafkaAccessError as exc:
+        raise ToolError(str(exc)) from None
+    except (KafkaError, OSError) as exc:
+        raise unreachable(k.bootstrap_servers, exc) from None
     consumer = AIOKafkaConsumer(
         bootstrap_servers=k.bootstrap_servers,
         client_id=f"{k.client_id}-dead-letters",
