@@ -133,7 +133,7 @@ def _lru_admit(
     return added, evicted
 
 
-def _stored_event(
+def stored_event(
     seqs: list[int], parent: int | None, tokens: list[int], medium: str, bs: int
 ) -> dict[str, object]:
     """A vLLM 0.33 `BlockStored` map, fields in the engine's order."""
@@ -243,7 +243,7 @@ class Cluster:
                 run = blocks[i:j]
                 parent = blocks[i - 1][0] if i else None
                 run_seqs = [b[0] for b in run]
-                ev = _stored_event(run_seqs, parent, tokens[i * bs : j * bs].tolist(), "GPU", bs)
+                ev = stored_event(run_seqs, parent, tokens[i * bs : j * bs].tolist(), "GPU", bs)
                 events.append(ev)
                 device.append(ev)
                 dyn.append((self._dynamo_stored(parent, run), len(run)))
@@ -255,7 +255,7 @@ class Cluster:
             backend = self.backends[inst.index % len(self.backends)]
             offload = [s for s in seqs if s not in backend.blocks]
             if offload:
-                events.append(_stored_event(offload, None, [], "CPU", bs))
+                events.append(stored_event(offload, None, [], "CPU", bs))
                 nblocks += len(offload)
         else:
             offload = []
@@ -264,7 +264,7 @@ class Cluster:
                 events.append(_removed_event(host_evicted, "CPU"))
                 nblocks += len(host_evicted)
             if host_added:
-                events.append(_stored_event(host_added, None, [], "CPU", bs))
+                events.append(stored_event(host_added, None, [], "CPU", bs))
                 nblocks += len(host_added)
         pool_record = self._confirm(backend, offload, ts) if offload else None
         if pool_record is not None and self.rng.random() < self.confirm_first:

@@ -9,8 +9,8 @@
   answers of the first queries, which the runner compares across peers.
 - `length_curve` (inside the scale run): latency against prompt length.
 
-The end-to-end figure is not measured yet: `e2e_figure` says so in the
-report instead of giving a number. The HTTP figure is in `bench.http_load`.
+The end-to-end figure (4) is in `bench.e2e`, the HTTP figure in
+`bench.http_load`, restore (5) in `bench.restore`.
 """
 
 from __future__ import annotations
@@ -241,10 +241,3 @@ def strip_answers(scale: dict[str, Any]) -> None:
     """Drop the bulky per-query answers once they were compared."""
     for res in scale["peers"].values():
         res.pop("answers", None)
-
-
-def e2e_figure() -> dict[str, Any]:
-    # TODO(bench): produce the workload to the engine/pool topics of a local
-    # broker at a fixed rate and time produce-to-queryable through the
-    # daemon; sustained blocks/s and p99 at half that rate.
-    return {"measured": False, "reason": "not implemented yet (TODO in bench/runners.py)"}

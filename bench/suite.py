@@ -14,12 +14,7 @@ from bench import report
 from bench.http_load import http_figure
 from bench.measure import forked, summary, warm_memory
 from bench.peers import ALL_PEERS, Peer, dynamo_available
-from bench.runners import (
-    apply_figure,
-    e2e_figure,
-    scale_figure,
-    strip_answers,
-)
+from bench.runners import apply_figure, scale_figure, strip_answers
 from bench.workload import Workload, WorkloadConfig, generate
 
 Log = Callable[[str], None]
@@ -41,6 +36,10 @@ class Options:
     restore: bool = True
     restore_repeats: int = 3
     http_requests: int = 2000  # per client phase of the HTTP figure; 0 skips it
+    e2e: bool = True  # end to end through the broker and a daemon subprocess
+    e2e_repeats: int = 3
+    e2e_seconds: float = 10.0  # of the half-load phase, per run
+    bootstrap: str | None = None  # a running broker for restore and e2e: none started
     warm_bytes: int = 3 << 30  # fresh memory touched once before measuring
     peers: tuple[str, ...] = ALL_PEERS
     trace: str | None = None
@@ -64,6 +63,9 @@ class Options:
             restore=False,  # the broker alone takes 15-40 s to start: --restore
             restore_repeats=2,
             http_requests=0,  # --http N measures it
+            e2e=False,  # needs the broker too
+            e2e_repeats=2,
+            e2e_seconds=4.0,
             warm_bytes=512 << 20,
         )
 
@@ -91,18 +93,21 @@ def _peers(opts: Options, log: Log) -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def _maybe_broker(opts: Options, log: Log) -> Iterator[str | None]:
-    if not opts.restore:
+    if not (opts.restore or opts.e2e):
         yield None
+        return
+    if opts.bootstrap is not None:
+        yield opts.bootstrap
         return
     from bench.restore import local_broker
 
-    log("starting a local Kafka broker for the restore figure")
+    log("starting a local Kafka broker for the restore and end-to-end figures")
     with contextlib.ExitStack() as stack:
         try:
             bootstrap: str | None = stack.enter_context(local_broker())
         except Exception as exc:  # no Java, no jars: the rest still runs
             bootstrap = None
-            note = f"restore not measured: the local broker did not start ({exc})"
+            note = f"restore and e2e not measured: the local broker did not start ({exc})"
             log(note)
             opts.notes.append(note)
         yield bootstrap
@@ -170,6 +175,35 @@ def _publish_hook(
     return hook
 
 
+def _e2e(
+    w: Workload,
+    bootstrap: str | None,
+    apply: dict[str, Any],
+    peers: tuple[str, ...],
+    opts: Options,
+    log: Log,
+) -> dict[str, Any]:
+    """Figure 4 on the apply figure's records, next to its kvconductor rate."""
+    if not opts.e2e:
+        return {"measured": False, "reason": "skipped (--quick)"}
+    if bootstrap is None:
+        return {"measured": False, "reason": "no broker"}
+    if "kvconductor" not in peers:
+        return {"measured": False, "reason": "kvconductor not among the peers"}
+    from bench.e2e import e2e_figure
+
+    log(
+        f"figure 4: end to end through the broker ({opts.e2e_repeats} runs, "
+        f"{opts.e2e_seconds:.0f} s at half load each)"
+    )
+    logs = Path(opts.out) / "e2e-logs"
+    out = e2e_figure(w, bootstrap, apply["requests"], opts.e2e_repeats, opts.e2e_seconds, logs, log)
+    apply_rate = apply["rate"]["kvconductor"]["median"]
+    out["apply_rate"] = apply_rate
+    out["vs_apply"] = out["rate"]["median"] / apply_rate if apply_rate else None
+    return out
+
+
 def run(opts: Options, log: Log = print) -> dict[str, Any]:
     started = time.time()
     t0 = time.perf_counter()
@@ -196,7 +230,7 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
     with _maybe_broker(opts, log) as bootstrap:
         after: dict[str, Callable[[Peer], dict[str, Any]]] = {}
         topic = ""
-        if bootstrap is not None and "kvconductor" in peers:
+        if opts.restore and bootstrap is not None and "kvconductor" in peers:
             from bench.restore import new_topic
 
             topic = new_topic()
@@ -221,12 +255,12 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
         else:
             reason = "skipped (--no-restore or --quick)" if not opts.restore else "no broker"
             result["restore"] = {"measured": False, "reason": reason}
+        result["e2e"] = _e2e(w, bootstrap, result["apply"], peers, opts, log)
 
     if opts.http_requests > 0 and "kvconductor" in peers:
         result["http"] = http_figure(w, opts.http_requests, log)
     else:
         result["http"] = {"measured": False, "reason": "skipped (--quick without --http N)"}
-    result["e2e"] = e2e_figure()
 
     main_point = {"entries": w.stats["entries"], "peers": _curve_view(scale["peers"])}
     del w

@@ -13,6 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvconductor.termui import ToolError, fail
+
+PROG = "kvconductor bench"
+
 
 def _import_bench() -> tuple[Any, Any]:
     """`bench.suite` and `bench.report`, from a source checkout if needed."""
@@ -38,7 +42,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvconductor bench",
+        prog=PROG,
         description="Benchmark kvconductor against NVIDIA Dynamo's RadixTree and a naive index.",
     )
     p.add_argument("--quick", action="store_true", help="a small run (about a minute)")
@@ -51,8 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="workload seed")
     p.add_argument("--trace", help="a Mooncake trace (JSON lines) instead of the generator")
     p.add_argument("--trace-limit", type=int, help="replay only the first N trace requests")
-    p.add_argument("--no-restore", action="store_true", help="skip the broker and restore figure")
+    p.add_argument("--no-restore", action="store_true", help="skip the restore figure")
     p.add_argument("--restore", action="store_true", help="measure restore even with --quick")
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end figure")
+    p.add_argument("--e2e", action="store_true", help="measure end to end even with --quick")
+    p.add_argument(
+        "--bootstrap", metavar="HOST:PORT", help="use this broker instead of starting one"
+    )
     p.add_argument(
         "--http", type=int, metavar="N", help="HTTP figure: N requests a phase (0: skip)"
     )
@@ -76,18 +85,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts.restore = False
     elif args.restore:
         opts.restore = True
+    if args.no_e2e:
+        opts.e2e = False
+    elif args.e2e:
+        opts.e2e = True
+    if args.bootstrap:
+        opts.bootstrap = args.bootstrap
     if args.http is not None:
         opts.http_requests = args.http
     opts.out = args.out
+    from kvconductor.dead_letter_tool import writing_stdout  # loads aiokafka: not at parse time
 
     def log(line: str) -> None:
-        print(line, flush=True)
+        with writing_stdout():
+            print(line, flush=True)
 
-    result = suite.run(opts, log)
-    paths = report.write(result, Path(opts.out))
-    print(report.markdown(result))
-    for kind, path in paths.items():
-        log(f"wrote {kind}: {path}")
+    def cannot_write(exc: OSError) -> int:
+        return fail(ToolError(f"cannot write the report to {exc.filename}: {exc.strerror}"), PROG)
+
+    out = Path(opts.out)
+    try:
+        report.prepare(out)  # before a run of minutes, not after it
+    except OSError as exc:
+        return cannot_write(exc)
+    try:
+        result = suite.run(opts, log)
+        log(report.markdown(result))  # first, so the figures outlive a report that fails
+        try:
+            paths = report.write(result, out)
+        except OSError as exc:
+            return cannot_write(exc)
+        for kind, path in paths.items():
+            log(f"wrote {kind}: {path}")
+    except ToolError as exc:
+        return fail(exc, PROG)
     return 0
 
 

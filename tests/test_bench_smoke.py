@@ -87,6 +87,7 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         curve_queries=10,
         restore=False,
         http_requests=20,
+        e2e=False,
         warm_bytes=0,
         peers=tuple(peers),
     )
@@ -123,6 +124,53 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
     for heading in ("## Targets", "## 1. Apply throughput", "## 6. Cost curve"):
         assert heading in md
     assert json.loads(Path(paths["json"]).read_text())["mode"] == "test"
+
+
+@pytest.mark.kafka
+def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Figures 4 and 5 on the session's broker: a daemon subprocess per run."""
+    opts = Options(
+        mode="test",
+        entries=TINY,
+        apply_blocks=2_000,
+        repeats=1,
+        queries=20,
+        query_rounds=1,
+        naive_queries=20,
+        lengths=(1024,),
+        curve=(),
+        restore_repeats=1,
+        http_requests=0,
+        e2e_repeats=1,
+        e2e_seconds=2.0,
+        bootstrap=kafka_bootstrap,
+        warm_bytes=0,
+        peers=("kvconductor",),
+        out=str(tmp_path / "out"),
+    )
+    result = run(opts, log=lambda _line: None)
+    e2e = result["e2e"]
+    assert e2e["measured"] is True, e2e
+    assert e2e["requests"] == result["apply"]["requests"]
+    assert e2e["block_events"] == result["apply"]["block_events"]["kvconductor"]
+    assert len(e2e["rate"]["runs"]) == 1 and e2e["vs_apply"] > 0
+    half = e2e["half_load"]
+    # Nothing lost on the way: every record applied, every probe seen, and
+    # the daemon answers like an index fed the same records in process.
+    assert e2e["identical"] is True
+    assert e2e["bad_records"] == 0
+    assert half["probes"] > 0 and half["lost"] == 0
+    assert half["p50_ms"]["median"] <= half["p99_ms"]["median"] <= half["max_ms"]
+    assert e2e["daemon"]["exit_codes"] == [0]
+    assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 1
+    restore = result["restore"]
+    assert restore["measured"] is True and restore["identical"] is True
+    assert restore["bytes"] > 0
+    rows = {t["figure"].split(":")[0]: t for t in result["targets"]}
+    assert isinstance(rows["end to end"]["measured"], str)
+    md = Path(report.write(result, tmp_path / "out")["md"]).read_text()
+    assert "## 4. End to end through the broker" in md
+    assert "## 5. Restore from the snapshot topic" in md
 
 
 @pytest.mark.parametrize("argv", [["--help"]])

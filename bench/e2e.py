@@ -1,0 +1,509 @@
+"""Figure 4: end to end through a real broker and the real daemon.
+
+Each run starts `kvconductor run` as a subprocess on topics of its own and,
+once it is ready, produces the workload's pre-encoded vLLM 0.33 payloads
+with a producer set up like the bridge's (acks all, idempotent, its linger
+and request size, no compression):
+
+1. sustained: the same records as the apply figure, as fast as the producer
+   takes them; the rate is block events over the time from the first send
+   to the moment the daemon's /metrics shows every record consumed. The
+   consumer counts a record just before applying it, in the same turn of
+   the event loop, and /metrics is served on that loop, so a scrape that
+   sees the count sees the records applied: the signal is exact, and the
+   scrape interval bounds its resolution.
+2. half load: the records that follow, paced at half the run's sustained
+   rate. After one engine record in every `PROBE_EVERY_S`, a probe follows
+   on the same partition: a one-block store of an instance of its own,
+   which the daemon can only apply after that record. Produce-to-queryable
+   of the record is the time from its send to the first `/query_by_hash`
+   answer that shows the probe's block; one task asks for all open probes
+   at once every `POLL_S`, so the resolution is that interval plus one
+   round of queries (its median is reported). The daemon answers queries
+   between two batches, so a round also waits for the batch in hand: that
+   is part of "queryable".
+
+Records are stamped by the producer's clock, as the bridge's are (the
+simulated clock's 2023 timestamps would fall outside the topics' retention
+and the broker would delete them unread).
+
+Between the phases the daemon's answers to the workload's first queries are
+compared with an in-process index fed the same records: nothing lost on the
+way. Every run reports the records dead-lettered and probes never seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiokafka import AIOKafkaProducer
+from aiokafka.partitioner import DefaultPartitioner
+from prometheus_client.parser import text_string_to_metric_families
+
+# The simulated engines' own BlockStored shape, for the probes.
+from bench.cluster import Record, stored_event
+from bench.measure import forked, percentile, summary
+from bench.peers import KvconductorPeer
+from bench.workload import Workload
+from kvconductor import kafka_local
+from kvconductor.bridge.config import BridgeSettings
+
+SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
+POLL_S = 0.002  # probe poll: the latency figure's resolution, with one round trip
+PROBE_EVERY_S = 0.025
+STALL_S = 120.0  # no progress for this long: the run failed
+PROBE_TAG = 1 << 62  # probe block hashes: far from the simulated engines' hashes
+
+
+class DaemonProcess:
+    """`kvconductor run` as an operator runs it, on fresh topics and group."""
+
+    def __init__(self, bootstrap: str, folder: Path) -> None:
+        tag = uuid.uuid4().hex[:8]
+        (self.port,) = kafka_local.free_ports(1)
+        self.engine_topic = f"kv-events-bench-{tag}"
+        self.pool_topic = f"kv-pool-events-bench-{tag}"
+        self.partitions = 6  # the daemon's default for the topics it creates
+        self.snapshot_interval_s = 10.0  # its default too: snapshots are part of the cost
+        self.env = {
+            **os.environ,
+            "KVCONDUCTOR_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+            "KVCONDUCTOR_KAFKA_ENGINE_TOPIC": self.engine_topic,
+            "KVCONDUCTOR_KAFKA_POOL_TOPIC": self.pool_topic,
+            "KVCONDUCTOR_KAFKA_SNAPSHOT_TOPIC": f"kv-index-snapshots-bench-{tag}",
+            "KVCONDUCTOR_KAFKA_DEAD_LETTER_TOPIC": f"kv-dead-letters-bench-{tag}",
+            "KVCONDUCTOR_KAFKA_GROUP_ID": f"kvc-bench-{tag}",
+            "KVCONDUCTOR_KAFKA_PARTITIONS": str(self.partitions),
+            "KVCONDUCTOR_SNAPSHOT_INTERVAL_S": str(self.snapshot_interval_s),
+            "KVCONDUCTOR_HTTP_PORT": str(self.port),
+            "KVCONDUCTOR_LOG_FORMAT": "json",
+        }
+        self.log_path = folder / f"daemon-{tag}.log"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvconductor.cli", "run"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (the daemon commits and closes), SIGKILL if it hangs."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        proc.terminate()
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(timeout)
+
+    def _check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited; its log:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def log_events(self, event: str) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict) and entry.get("event") == event:
+                    out.append(entry)
+        return out
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"{self.url}/ready") as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon not ready after {timeout:.0f} s:\n{self.log_tail()}")
+            await asyncio.sleep(0.1)
+
+    async def counts(self, session: aiohttp.ClientSession) -> tuple[int, int]:
+        """(records consumed from the event topics, records that failed)."""
+        async with session.get(f"{self.url}/metrics") as resp:
+            text = await resp.text()
+        consumed = bad = 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name == "kvconductor_records_consumed":
+                consumed = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            elif family.name == "kvconductor_bad_records":
+                bad = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return int(consumed), int(bad)
+
+    async def wait_consumed(self, session: aiohttp.ClientSession, n: int) -> tuple[float, int]:
+        """Wait until `n` records were applied; (perf_counter then, failed)."""
+        last, since = -1, time.monotonic()
+        while True:
+            consumed, bad = await self.counts(session)
+            now = time.perf_counter()
+            if consumed >= n:
+                return now, bad
+            if consumed != last:
+                last, since = consumed, time.monotonic()
+            elif time.monotonic() - since > STALL_S:
+                self._check_alive()
+                raise RuntimeError(
+                    f"daemon stuck at {consumed:,} of {n:,} records for {STALL_S:.0f} s "
+                    f"(its log: {self.log_path}):\n{self.log_tail()}"
+                )
+            await asyncio.sleep(SCRAPE_S)
+
+
+def bridge_like_producer(bootstrap: str) -> AIOKafkaProducer:
+    """The bridge's producer settings (kvconductor/bridge/sink.py)."""
+    b = BridgeSettings()
+    return AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        client_id="kvc-bench-e2e",
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=b.linger_ms,
+        max_request_size=b.max_request_size,
+    )
+
+
+@dataclass
+class _Probe:
+    sent: float  # perf_counter when the engine record it follows was sent
+    seq_hash: int
+    instance: str
+    acked: float | None = None  # perf_counter when the broker acknowledged the probe
+
+
+@dataclass
+class _Paced:
+    """What the half-load phase sent and saw."""
+
+    records: int = 0
+    blocks: int = 0
+    probes: int = 0
+    seconds: float = 0.0
+    producing: bool = True
+    open: list[_Probe] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    to_ack: list[float] = field(default_factory=list)  # the Kafka write's part
+    round_trips: list[float] = field(default_factory=list)
+
+
+def _mark_acked(probe: _Probe, _ack: object) -> None:
+    probe.acked = time.perf_counter()
+
+
+class _Run:
+    """One daemon, one producer, both phases."""
+
+    def __init__(
+        self,
+        w: Workload,
+        daemon: DaemonProcess,
+        producer: AIOKafkaProducer,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.cfg = w.config
+        self.daemon = daemon
+        self.producer = producer
+        self.session = session
+        self.topics = (daemon.engine_topic, daemon.pool_topic)
+        self.sent = 0  # records and probes produced
+        self.acks: list[asyncio.Future[Any]] = []
+
+    async def send(self, r: Record, partition: int | None = None) -> Any:
+        """Produce one record (stamped now); returns its delivery future."""
+        ack = await self.producer.send(
+            self.topics[r.pool], r.payload, key=r.key, partition=partition, headers=r.headers
+        )
+        self.acks.append(ack)
+        self.sent += 1
+        return ack
+
+    async def flush(self) -> None:
+        await self.producer.flush()
+        await asyncio.gather(*self.acks)  # raises if any record was not written
+        self.acks.clear()
+
+    async def sustained(self, records: Sequence[Record]) -> dict[str, Any]:
+        blocks = sum(r.blocks for r in records)
+        started = time.perf_counter()
+        for r in records:
+            await self.send(r)
+        await self.flush()
+        acked = time.perf_counter() - started
+        done, _ = await self.daemon.wait_consumed(self.session, self.sent)
+        seconds = done - started
+        return {
+            "records": len(records),
+            "blocks": blocks,
+            "acked_s": acked,
+            "applied_s": seconds,
+            "rate": blocks / seconds,
+        }
+
+    async def answers(self, prompts: Sequence[list[int]]) -> list[Any]:
+        out = []
+        for tokens in prompts:
+            body = {"model": self.cfg.model, "block_size": self.cfg.block_size, "token_ids": tokens}
+            async with self.session.post(f"{self.daemon.url}/query", json=body) as resp:
+                out.append(await resp.json())
+        return out
+
+    def _probe_record(self, n: int, partition: int, ts: float) -> tuple[Record, int, str]:
+        """Probe `n` for `partition`: its record, block hash and instance."""
+        cfg = self.cfg
+        instance = f"bench-probe-{partition}"
+        seq_hash = PROBE_TAG + n
+        tokens = [n % 65_536, partition, *range(cfg.block_size - 2)]
+        event = stored_event([seq_hash], None, tokens, "GPU", cfg.block_size)
+        headers = [
+            ("kv-model", cfg.model.encode()),
+            ("kv-block-size", str(cfg.block_size).encode()),
+            ("kv-source", b"vllm"),
+        ]
+        payload = msgspec.msgpack.encode([ts, [event], 0])
+        return Record(False, instance.encode(), headers, payload, ts, 1), seq_hash, instance
+
+    async def _visible(self, probe: _Probe) -> bool:
+        body = {
+            "model": self.cfg.model,
+            "block_size": self.cfg.block_size,
+            "seq_hashes": [probe.seq_hash],
+            "instance_id": probe.instance,
+        }
+        async with self.session.post(f"{self.daemon.url}/query_by_hash", json=body) as resp:
+            answer = await resp.json()
+        return any(
+            fig.get("GPU", 0) >= self.cfg.block_size
+            for tenant in answer.values()
+            for fig in tenant.values()
+        )
+
+    async def half_load(
+        self, records: Sequence[Record], rate: float, seconds: float
+    ) -> dict[str, Any]:
+        parts = sorted(await self.producer.partitions_for(self.topics[0]))
+        state = _Paced()
+        await asyncio.gather(self._paced(state, records, rate, seconds, parts), self._poll(state))
+        _, bad = await self.daemon.wait_consumed(self.session, self.sent)
+        ms = sorted(x * 1000 for x in state.latencies)
+        ack_ms = sorted(x * 1000 for x in state.to_ack)
+        return {
+            "target_rate": rate,
+            "rate": state.blocks / state.seconds if state.seconds else None,
+            "records": state.records,
+            "blocks": state.blocks,
+            "seconds": state.seconds,
+            "probes": state.probes,
+            "lost": len(state.open),
+            "p50_ms": percentile(ms, 50),
+            "p99_ms": percentile(ms, 99),
+            "max_ms": ms[-1] if ms else None,
+            "ack_p50_ms": percentile(ack_ms, 50),
+            "ack_p99_ms": percentile(ack_ms, 99),
+            "rtt_ms": percentile(sorted(x * 1000 for x in state.round_trips), 50),
+            "bad_records": bad,  # over the daemon's life: both phases
+        }
+
+    async def _paced(
+        self,
+        state: _Paced,
+        records: Sequence[Record],
+        rate: float,
+        seconds: float,
+        parts: list[int],
+    ) -> None:
+        """Send `records` at `rate` block events/s for `seconds`, probes among them."""
+        partitioner = DefaultPartitioner()
+        started = time.perf_counter()
+        next_probe = started
+        try:
+            for r in records:
+                due = started + state.blocks / rate
+                if due - started >= seconds:
+                    break
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                t = time.perf_counter()
+                await self.send(r)
+                state.blocks += r.blocks
+                state.records += 1
+                if not r.pool and t >= next_probe:
+                    partition = partitioner(r.key, parts, parts)
+                    record, seq_hash, instance = self._probe_record(state.probes, partition, r.ts)
+                    probe = _Probe(t, seq_hash, instance)
+                    ack = await self.send(record, partition)
+                    ack.add_done_callback(functools.partial(_mark_acked, probe))
+                    state.open.append(probe)
+                    state.probes += 1
+                    next_probe = max(next_probe + PROBE_EVERY_S, t)
+            state.seconds = time.perf_counter() - started
+            await self.flush()
+        finally:
+            state.producing = False
+
+    async def _poll(self, state: _Paced) -> None:
+        """Ask for every open probe at once, every `POLL_S`, until each shows.
+
+        All of a round's queries are in flight together: the daemon answers
+        between two batches, so asking one probe after the other would add
+        a batch's apply time per open probe to the later ones."""
+        while state.producing or state.open:
+            probes = list(state.open)
+            t = time.perf_counter()
+            seen = await asyncio.gather(*(self._visible(p) for p in probes))
+            now = time.perf_counter()
+            if probes:
+                state.round_trips.append(now - t)
+            for probe, visible in zip(probes, seen, strict=True):
+                if visible:
+                    state.latencies.append(now - probe.sent)
+                    if probe.acked is not None:
+                        state.to_ack.append(probe.acked - probe.sent)
+                    state.open.remove(probe)
+            if not state.producing and any(now - p.sent > STALL_S for p in state.open):
+                return  # never seen: reported as lost
+            await asyncio.sleep(POLL_S)
+
+
+async def _one_run(
+    w: Workload,
+    bootstrap: str,
+    first: Sequence[Record],
+    rest: Sequence[Record],
+    prompts: Sequence[list[int]],
+    seconds: float,
+    folder: Path,
+) -> dict[str, Any]:
+    daemon = DaemonProcess(bootstrap, folder)
+    daemon.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await daemon.wait_ready(session)
+            producer = bridge_like_producer(bootstrap)
+            await producer.start()
+            try:
+                for topic in (daemon.engine_topic, daemon.pool_topic):
+                    await producer.partitions_for(topic)  # metadata before the clock
+                run = _Run(w, daemon, producer, session)
+                sustained = await run.sustained(first)
+                answers = await run.answers(prompts)
+                half = await run.half_load(rest, sustained["rate"] / 2, seconds)
+            finally:
+                await producer.stop()
+    finally:
+        code = daemon.stop()
+    snapshots = [float(e.get("seconds", 0.0)) for e in daemon.log_events("snapshot published")]
+    return {
+        "sustained": sustained,
+        "half_load": half,
+        "answers": answers,
+        "snapshots": len(snapshots),
+        "snapshot_max_s": max(snapshots, default=0.0),
+        "exit_code": code,
+        "partitions": daemon.partitions,
+        "snapshot_interval_s": daemon.snapshot_interval_s,
+    }
+
+
+def _reference(w: Workload, records: Sequence[Record], prompts: Sequence[list[int]]) -> list[Any]:
+    peer = KvconductorPeer(w.config.model, w.config.block_size)
+    peer.apply(records)
+    return [peer.query(p) for p in prompts]
+
+
+def e2e_figure(
+    w: Workload,
+    bootstrap: str,
+    requests: int,
+    repeats: int,
+    seconds: float,
+    logs: Path,
+    log: Callable[[str], None] = print,
+    check: int = 50,
+) -> dict[str, Any]:
+    """Sustained rate of the first `requests` requests' records, then
+    produce-to-queryable at half that rate for `seconds`, per run; the
+    daemons' logs go to `logs`."""
+    records = w.streams.records
+    cut = w.streams.marks[requests - 1][0] if requests else 0
+    first, rest = records[:cut], records[cut:]
+    prompts = [q.tolist() for q in w.queries[:check]]
+    expected = forked(lambda: _reference(w, first, prompts))
+    logs.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for r in range(repeats):
+        res = forked(
+            lambda: asyncio.run(_one_run(w, bootstrap, first, rest, prompts, seconds, logs))
+        )
+        res["identical"] = res.pop("answers") == expected
+        runs.append(res)
+        s, h = res["sustained"], res["half_load"]
+        log(
+            f"  e2e run {r + 1}/{repeats}: {s['blocks']:,} block events in "
+            f"{s['applied_s']:.2f} s = {s['rate']:,.0f}/s; at {h['rate']:,.0f}/s "
+            f"produce-to-queryable p50 {h['p50_ms']:.1f} ms p99 {h['p99_ms']:.1f} ms "
+            f"({h['probes'] - h['lost']}/{h['probes']} probes), answers identical: "
+            f"{res['identical']}"
+        )
+    half = [x["half_load"] for x in runs]
+    return {
+        "measured": True,
+        "requests": requests,
+        "records": len(first),
+        "block_events": runs[0]["sustained"]["blocks"],
+        "rate": summary([x["sustained"]["rate"] for x in runs]),
+        "acked_rate": summary([x["sustained"]["blocks"] / x["sustained"]["acked_s"] for x in runs]),
+        "half_load": {
+            "seconds": seconds,
+            "target_rate": summary([h["target_rate"] for h in half]),
+            "rate": summary([h["rate"] for h in half]),
+            "p50_ms": summary([h["p50_ms"] for h in half]),
+            "p99_ms": summary([h["p99_ms"] for h in half]),
+            "ack_p50_ms": summary([h["ack_p50_ms"] for h in half]),
+            "ack_p99_ms": summary([h["ack_p99_ms"] for h in half]),
+            "max_ms": max(h["max_ms"] or 0.0 for h in half),
+            "probes": sum(h["probes"] for h in half),
+            "lost": sum(h["lost"] for h in half),
+            "poll_ms": POLL_S * 1000,
+            "rtt_ms": summary([h["rtt_ms"] for h in half]),
+        },
+        "answers_checked": len(prompts),
+        "identical": all(x["identical"] for x in runs),
+        "bad_records": sum(x["half_load"]["bad_records"] for x in runs),
+        "daemon": {
+            "partitions": runs[0]["partitions"],
+            "snapshot_interval_s": runs[0]["snapshot_interval_s"],
+            "snapshots": [x["snapshots"] for x in runs],
+            "snapshot_max_s": max(x["snapshot_max_s"] for x in runs),
+            "exit_codes": [x["exit_code"] for x in runs],
+        },
+        "runs": runs,
+    }
