@@ -9,26 +9,35 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from kvconductor.config import ConfigError, LogConfig, load_config
+from kvconductor.config import ConfigError, KafkaConfig, LogConfig, load_config
 
 
-def _serve(main: Coroutine[Any, Any, int], log: LogConfig) -> int:
-    """Run a long-lived command on uvloop with the configured logging."""
-    from kvconductor.logs import setup_logging
+def _serve(main: Coroutine[Any, Any, int], log: LogConfig, kafka: KafkaConfig) -> int:
+    """Run a long-lived command on uvloop with the configured logging.
 
-    setup_logging(log.level, log.format)
+    Not over Kafka TLS: uvloop's TLS close does not read what the broker still sends (the
+    answer to a consumer's pending fetch), so a consumer's stop waited out the 30 s TLS
+    shutdown timeout (MagicStack/uvloop#471); asyncio's own loop closes at once."""
+    from kvconductor import logs
+
+    logs.setup_logging(log.level, log.format)
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        return asyncio.run(main)
-    return uvloop.run(main)
+        if kafka.security_protocol in ("SSL", "SASL_SSL"):
+            return asyncio.run(main)
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+            return asyncio.run(main)
+        return uvloop.run(main)
+    finally:
+        logs.drain(5.0)
 
 
 def _run(args: argparse.Namespace) -> int:
     from kvconductor.daemon import run_daemon
 
     cfg = load_config(Path(args.config) if args.config else None)
-    return _serve(run_daemon(cfg), cfg.log)
+    return _serve(run_daemon(cfg), cfg.log, cfg.kafka)
 
 
 def _kafka_local(args: argparse.Namespace) -> int:
@@ -65,14 +74,20 @@ def _bridge(args: argparse.Namespace) -> int:
     from kvconductor.bridge import load_bridge_config, run_bridge
 
     cfg = load_bridge_config(Path(args.config) if args.config else None)
-    return _serve(run_bridge(cfg), cfg.log)
+    return _serve(run_bridge(cfg), cfg.log, cfg.kafka)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from kvconductor.soak import run
+
+    return run(args)
 
 
 def _replica(args: argparse.Namespace) -> int:
     from kvconductor.replica import run_replica
 
     cfg = load_config(Path(args.config) if args.config else None)
-    return _serve(run_replica(cfg, args.follow), cfg.log)
+    return _serve(run_replica(cfg, args.follow), cfg.log, cfg.kafka)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--kind", help="only this dlq-kind (e.g. missing_header)")
         action.add_argument("--source-topic", help="only those from this topic")
     dl.set_defaults(func=_dead_letters)
+
+    soak = sub.add_parser(
+        "soak", help="demo traffic under broker and daemon faults, checked against a replay"
+    )
+    soak.add_argument(
+        "--minutes", type=float, default=5.0, help="traffic minutes, >= 1 fault each (default 5)"
+    )
+    soak.add_argument(
+        "--fault-every", type=float, default=20.0, metavar="S", help="s between faults (20)"
+    )
+    soak.add_argument("--seed", type=int, default=0, help="traffic and fault seed (default 0)")
+    soak.add_argument("--rate", type=float, default=20.0, help="requests/s (default 20)")
+    soak.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    soak.add_argument("--keep", action="store_true", help="keep broker data and logs on PASS")
+    soak.set_defaults(func=_soak)
     return parser
 
 
