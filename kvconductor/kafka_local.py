@@ -741,7 +741,11 @@ def _ready_or_raise(
     launched) that does not answer in time is stopped; an older one is left alone."""
 
     def alive() -> bool:
-        _reap(pid)
+        child = _CHILDREN.get(pid)
+        if child is not None:
+            # Our own child: its exit status is the truth. Its command line
+            # is not, until it has exec'd java (late on a loaded machine).
+            return child.poll() is None
         return _is_our_broker(pid, data_dir)
 
     outcome = _wait_ready(bootstrap, port, alive, wait_s)
@@ -752,6 +756,7 @@ def _ready_or_raise(
     if tail:
         print(tail, file=sys.stderr)
     if outcome == "died":
+        _reap(pid)
         _forget(data_dir)
         raise KafkaLocalError(
             f"the Kafka broker (pid {pid}) exited during start; see {data_dir / 'logs'}"
