@@ -24,7 +24,9 @@ Errors: `DecodeError` for anything that is not a batch of known events
 (garbage, wrong types, unknown tags, missing fields); `RejectedEvent` for
 values that decode but break the contract (token ids outside [0, 2**32),
 negative ranks/sizes, extra_keys or token counts that do not fit the
-blocks). Both carry the event index and field. Nothing partial is returned.
+blocks) or that no engine sends and the index would have to keep (a group
+index above 2**16, a name longer than `MAX_NAME` characters). Both carry the
+event index and field. Nothing partial is returned.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ from kvconductor.events import (
     EngineEvent,
 )
 from kvconductor.hashing import extra_keys_fingerprint
+from kvconductor.records import MAX_NAME
 
 __all__ = [
+    "MAX_GROUP_IDX",
+    "MAX_NAME",
     "SOURCES",
     "U32_MAX",
     "decode_engine_payload",
@@ -54,12 +59,19 @@ __all__ = [
 
 SOURCES: Final = frozenset({"vllm", "sglang", "trtllm"})
 U32_MAX: Final = (1 << 32) - 1
+# The index keeps every group index it is told to skip, per instance, and
+# every name (MAX_NAME: in a namespace, a pool store, the media cache), so
+# absurd ones are rejected here: what one record can make it keep is bounded.
+# Engines number their KV cache groups from 0, a handful at most, like ranks.
+MAX_GROUP_IDX: Final = 1 << 16
 
 # ---------------------------------------------------------------- wire types
 
 WireHash = int | bytes
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+GroupIdx = Annotated[int, msgspec.Meta(ge=0, le=MAX_GROUP_IDX)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 # NB: msgspec 0.23 corrupts the constraints of an Annotated int placed in a
 # union with a fixed-length tuple (observed: `ge=0` read back as `ge=2`, then
 # a segfault). Constrained ints are therefore only ever used alone, in lists,
@@ -85,19 +97,19 @@ class ArrayBlockStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=Fa
     token_ids: list[TokenId] | None = None  # 3
     block_size: int | None = None  # 4
     lora_id: int | None = None  # 5
-    medium: str | None = None  # 6  (vLLM >= 0.10, SGLang)
+    medium: Name | None = None  # 6  (vLLM >= 0.10, SGLang)
     # 7: vLLM's lora_name, or SGLang's BlockStoredMetadata map (cache_salt)
-    lora_name: str | SGLangMetadata | None = None
+    lora_name: Name | SGLangMetadata | None = None
     extra_keys: list[Any] | None = None  # 8  one entry per block
-    group_idx: NonNegInt | None = None  # 9
+    group_idx: GroupIdx | None = None  # 9
     kv_cache_spec_kind: str | None = None  # 10
     kv_cache_spec_sliding_window: int | None = None  # 11
 
 
 class ArrayBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
     block_hashes: list[WireHash]  # 1
-    medium: str | None = None  # 2
-    group_idx: NonNegInt | None = None  # 3
+    medium: Name | None = None  # 2
+    group_idx: GroupIdx | None = None  # 3
 
 
 class ArrayAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
@@ -114,10 +126,10 @@ class MapBlockStored(msgspec.Struct, tag="BlockStored", gc=False):
     token_ids: list[TokenId] | None = None
     block_size: int | None = None
     lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    medium: Name | None = None
+    lora_name: Name | None = None
     extra_keys: list[Any] | None = None
-    group_idx: NonNegInt | None = None
+    group_idx: GroupIdx | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None  # vLLM >= 0.26: "LOCAL" | "REMOTE"
@@ -129,14 +141,14 @@ class MapBlockStored(msgspec.Struct, tag="BlockStored", gc=False):
 
 class MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
     block_hashes: list[WireHash]
-    medium: str | None = None
-    group_idx: NonNegInt | None = None
+    medium: Name | None = None
+    group_idx: GroupIdx | None = None
     locality: str | None = None
     ownership: str | None = None
 
 
 class MapAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    medium: str | None = None
+    medium: Name | None = None
 
 
 # Slow-path variants: tokens as `Any` so SGLang's EAGLE bigram pairs decode.
@@ -198,7 +210,7 @@ _prefer_map: dict[str, bool] = {"vllm": True, "sglang": True, "trtllm": True}
 
 # ---------------------------------------------------------------- errors
 
-_CONSTRAINT = re.compile(r"^Expected `[^`]*` (?:>=|<=|>|<) ")
+_CONSTRAINT = re.compile(r"^Expected `[^`]*`(?: of length)? (?:>=|<=|>|<) ")
 _AT = re.compile(r" - at `\$(.*)`$")
 _IN_BATCH = re.compile(r"^(?:\[1\]|\.events)\[(\d+)\](.*)$")
 _POSITION = re.compile(r"^\[(\d+)\](.*)$")
@@ -233,10 +245,10 @@ def bad_record(
 ) -> BadRecord:
     """Turn a msgspec validation error into `DecodeError` or `RejectedEvent`.
 
-    The reason names the event index and field. Violated numeric constraints
-    (a token id >= 2**32, a negative rank) are absurd values decoded fine:
-    `RejectedEvent`. Anything else (wrong type, unknown tag, missing field)
-    is undecodable: `DecodeError`.
+    The reason names the event index and field. Violated constraints (a
+    token id >= 2**32, a negative rank, a name too long) are absurd values
+    decoded fine: `RejectedEvent`. Anything else (wrong type, unknown tag,
+    missing field) is undecodable: `DecodeError`.
 
     `event` is given when the error comes from decoding one event on its
     own; otherwise the path is read as relative to a `[ts, [events], rank]`
@@ -269,7 +281,6 @@ def bad_record(
 
 
 # ---------------------------------------------------------------- extra keys
-
 
 
 def _without_lora(keys: Any, lora_name: str | None) -> Any:
@@ -367,9 +378,7 @@ def _stored(ev: _WireStored, i: int) -> BlockStored:
             salt = ev.metadata.cache_salt
     extra = None
     if ev.extra_keys is not None:
-        extra = _fingerprints(
-            ev.extra_keys, len(hashes), f"event {i} (BlockStored)", lora_name
-        )
+        extra = _fingerprints(ev.extra_keys, len(hashes), f"event {i} (BlockStored)", lora_name)
     if salt and parent is None and hashes:
         # SGLang sends its per-request salt beside the event; vLLM puts it in
         # the first block's extra keys. Same place, same fingerprint.

@@ -24,7 +24,9 @@ Rules (see `docs/wire-formats.md` for sources):
   across all blocks in this event"), so with a known `block_size` their
   count must be `len(seq_hashes) * block_size`, else `RejectedEvent`;
 * `block_size` 0 means unknown (Mooncake's "not configured");
-* `timestamp` in milliseconds (Mooncake) is turned into seconds.
+* `timestamp` in milliseconds (Mooncake) is turned into seconds;
+* a name (`medium`, `backend_id`, `tenant_id`, `model_name`, `lora_name`,
+  `additional_salt`) longer than `MAX_NAME` characters is `RejectedEvent`.
 
 Unknown keys are ignored; unknown trailing envelope elements too.
 """
@@ -35,7 +37,7 @@ from typing import Literal
 
 import msgspec
 
-from consumers.engine_wire import TokenId, WireHash, bad_record
+from consumers.engine_wire import Name, TokenId, WireHash, bad_record
 from consumers.hash_norm import HashError, normalize_hash, normalize_wire_hashes
 from kvconductor.errors import DecodeError, RejectedEvent
 from kvconductor.events import PoolBatch, PoolEvent
@@ -52,13 +54,14 @@ class PoolWireEvent(msgspec.Struct, gc=False):
     base_block_idx: int | None = None
     parent_hash: WireHash | None = None
     token_ids: list[TokenId] | None = None
-    medium: str | None = None
-    backend_id: str | None = None
-    tenant_id: str | None = None
-    model_name: str | None = None
+    # Names become namespaces and pool stores: at most MAX_NAME characters.
+    medium: Name | None = None
+    backend_id: Name | None = None
+    tenant_id: Name | None = None
+    model_name: Name | None = None
     block_size: int | None = None
-    lora_name: str | None = None
-    additional_salt: str | None = None
+    lora_name: Name | None = None
+    additional_salt: Name | None = None
     object_key: str | None = None
     event_id: int | None = None
     # vLLM/SGLang-compatible aliases Mooncake adds by default

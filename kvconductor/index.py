@@ -173,10 +173,12 @@ class Index:
 
     def apply_engine(self, instance: str, meta: EngineMeta, batch: EngineBatch, now: float) -> int:
         """Apply one engine record; returns the blocks it placed or removed."""
-        self._tick(now)
         rank = batch.dp_rank if batch.dp_rank is not None else meta.dp_rank
         if not 0 <= rank <= 1 << 16:
             raise RejectedEvent(f"dp rank out of range: {rank}")
+        # Only after validation: a rejected record must not move the clock
+        # (an hour-ahead stamp would age out every pending half).
+        self._tick(now)
         state = self._instance(instance)
         if state is None:
             return 0
@@ -344,8 +346,8 @@ class Index:
         )
 
     def apply_pool(self, backend_key: str, meta: PoolMeta, batch: PoolBatch, now: float) -> int:
-        self._tick(now)
         keys = [self._pool_namespace_key(meta, ev, i) for i, ev in enumerate(batch.events)]
+        self._tick(now)  # after validation, as in apply_engine
         done = 0
         for key, ev in zip(keys, batch.events, strict=True):
             backend = ev.backend_id if ev.backend_id is not None else backend_key

@@ -29,7 +29,7 @@ store and the matching removals is empty again (`is_empty`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import NamedTuple
 
 from kvconductor.hashing import block_identity, chain_identities, lora_seed, pack_tokens
@@ -108,6 +108,12 @@ class Dirty:
         self.owners: set[tuple[NamespaceKey, str, int]] = set()
         self.pools: set[tuple[NamespaceKey, str, str]] = set()
         self.instances: set[str] = set()
+
+    def clear(self) -> None:
+        """Published, or nothing publishes (else the sets grow for ever)."""
+        self.owners.clear()
+        self.pools.clear()
+        self.instances.clear()
 
 
 class NamespaceIndex:
@@ -388,11 +394,20 @@ class NamespaceIndex:
 
     # ------------------------------------------------------------- pools
 
-    def _pool(self, backend: str, medium: str, tier: int) -> PoolStore:
+    def _pool(self, backend: str, medium: str, tier: int) -> PoolStore | None:
+        """The pool store, created if there is room for one more (else None)."""
         store = self.pools.get((backend, medium))
         if store is None:
+            if len(self.pools) >= self.max_owners:
+                return None
             store = self.pools[(backend, medium)] = PoolStore(backend, medium, tier)
         self.dirty.pools.add((self.key, backend, medium))
+        return store
+
+    def restored_pool(self, backend: str, medium: str, tier: int) -> PoolStore:
+        store = self._pool(backend, medium, tier)
+        if store is None:
+            raise ValueError("snapshot holds more pool stores than index.max_owners_per_namespace")
         return store
 
     def _place_pool(
@@ -400,10 +415,14 @@ class NamespaceIndex:
     ) -> int:
         blocks = store.blocks
         counts = self.pool_counts[store.tier]
+        room = self.max_blocks_per_owner - len(blocks)
         placed = 0
         for k, seq in enumerate(seqs):
             if seq in blocks:
                 continue
+            if placed >= room:
+                self.counters["pool_capacity_dropped"] += len(seqs) - k
+                break
             ident = self._acquire(seq, idents[k] if idents is not None else self.content[seq])
             blocks[seq] = ident
             counts[ident] = counts.get(ident, 0) + 1
@@ -442,6 +461,9 @@ class NamespaceIndex:
         else:
             assert isinstance(where, str)
             store = self._pool(name, where, tier)
+            if store is None:
+                self.counters["pool_limit_dropped"] += 1
+                return
             self._place_pool(store, (seq,), (ident,))
 
     # ---------------------------------------------------- applying events
@@ -522,15 +544,30 @@ class NamespaceIndex:
     def _place_known_or_wait(
         self, seqs: Sequence[int], owner: Owner, tier: int, target: Target
     ) -> int:
+        def place(known: list[int]) -> int:
+            return self._place_owner(owner, tier, known, None)
+
+        return self._known_then_wait(seqs, owner.tiers[tier], target, place)
+
+    def _known_then_wait(
+        self,
+        seqs: Sequence[int],
+        held: Container[int],
+        target: Target,
+        place: Callable[[list[int]], int],
+    ) -> int:
+        """Place the blocks whose content is known, then wait for the rest.
+
+        In this order because a wait can evict from a full pending queue, and
+        what that releases can retire, and so push out, known content: placed
+        first, the known blocks are held and safe."""
         content = self.content
-        tmap = owner.tiers[tier]
-        known: list[int] = []
+        known = [seq for seq in seqs if seq in content]
+        placed = place(known) if known else 0
         for seq in seqs:
-            if seq in content:
-                known.append(seq)
-            elif seq not in tmap:
+            if seq not in content and seq not in held:
                 self._wait(seq, target)
-        return self._place_owner(owner, tier, known, None) if known else 0
+        return placed
 
     def offload_intent(
         self,
@@ -623,6 +660,9 @@ class NamespaceIndex:
         """A pool stored blocks: with tokens it carries its own content,
         without it is a confirmation (phase two) joined through the catalog."""
         store = self._pool(backend, medium, tier)
+        if store is None:
+            self.counters["pool_limit_dropped"] += len(seqs)
+            return 0
         target: PoolTarget = ("p", backend, medium, tier)
         if token_ids:
             seqs, idents = self._chain(seqs, parent, token_ids, None, False)
@@ -631,14 +671,9 @@ class NamespaceIndex:
                 self._learn(seqs, idents)
                 self._drop_pool_if_empty(store)
                 return placed
-        content = self.content
-        known: list[int] = []
-        for seq in seqs:
-            if seq in content:
-                known.append(seq)
-            elif seq not in store.blocks:
-                self._wait(seq, target)
-        placed = self._place_pool(store, known, None) if known else 0
+        placed = self._known_then_wait(
+            seqs, store.blocks, target, lambda known: self._place_pool(store, known, None)
+        )
         self._drop_pool_if_empty(store)
         return placed
 
@@ -720,7 +755,7 @@ class NamespaceIndex:
                             owner.dups[(tier, ident)] = n - 1
             self._retire_if_empty(owner)
         for backend, medium, tier, seqs, idents in pools:
-            store = self._pool(backend, medium, tier)
+            store = self.restored_pool(backend, medium, tier)
             store.blocks.update(zip(seqs, idents, strict=True))
             content.update(zip(seqs, idents, strict=True))
             held.update(seqs)

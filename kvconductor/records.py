@@ -94,10 +94,20 @@ def _int(h: dict[str, str], name: str, lo: int, hi: int) -> int | None:
 _MAX_BLOCK_SIZE = 1 << 20
 _MAX_RANK = 1 << 16
 _MAX_SEQ = (1 << 64) - 1
+# Characters in a name the index keeps (model, tenant, salt, LoRA, medium,
+# backend): real ones are short; a 1 MB one would be kept per namespace.
+MAX_NAME = 1024
+
+
+def _name(h: HeaderMap, name: str) -> str | None:
+    value = h.get(name)
+    if value is not None and len(value) > MAX_NAME:
+        raise InvalidHeader(f"header {name} is longer than {MAX_NAME} characters")
+    return value
 
 
 def engine_meta(h: HeaderMap) -> EngineMeta:
-    model = h.get("kv-model")
+    model = _name(h, "kv-model")
     if not model:
         raise MissingHeader("required header kv-model is missing")
     block_size = _int(h, "kv-block-size", 1, _MAX_BLOCK_SIZE)
@@ -114,8 +124,8 @@ def engine_meta(h: HeaderMap) -> EngineMeta:
         block_size=block_size,
         source=source,
         seq=_int(h, "kv-seq", 0, _MAX_SEQ),
-        tenant=h.get("kv-tenant") or "default",
-        salt=h.get("kv-salt", ""),
+        tenant=_name(h, "kv-tenant") or "default",
+        salt=_name(h, "kv-salt") or "",
         dp_rank=_int(h, "kv-dp-rank", 0, _MAX_RANK) or 0,
         offload_pool=offload == "pool",
     )
@@ -123,9 +133,9 @@ def engine_meta(h: HeaderMap) -> EngineMeta:
 
 def pool_meta(h: HeaderMap) -> PoolMeta:
     return PoolMeta(
-        model=h.get("kv-model") or None,
+        model=_name(h, "kv-model") or None,
         block_size=_int(h, "kv-block-size", 1, _MAX_BLOCK_SIZE),
-        tenant=h.get("kv-tenant") or "default",
-        salt=h.get("kv-salt", ""),
+        tenant=_name(h, "kv-tenant") or "default",
+        salt=_name(h, "kv-salt") or "",
         seq=_int(h, "kv-seq", 0, _MAX_SEQ),
     )

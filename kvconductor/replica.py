@@ -372,6 +372,7 @@ class Replica:
                 log.exception("replica stopped following events")
                 raise
             self._offsets.update(events.applied_offsets)
+            self.conductor.index.dirty.clear()  # a replica publishes nothing
             now = time.monotonic()
             if now - last_expire >= EXPIRE_EVERY_S:
                 self.conductor.expire(self.conductor.index.now)

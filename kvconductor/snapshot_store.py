@@ -17,6 +17,7 @@ which is exactly the newest state of every unit.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -146,6 +147,10 @@ class SnapshotPublisher:
                     pending_versions[uid] = pending_version(ns) if ns is not None else -1
                 if progress is not None and n % 1000 == 0:
                     progress(n, len(ids))
+                if n % 16 == 15:
+                    # Big units take a while to export and encode: let
+                    # queries in (events wait for the lock the caller holds).
+                    await asyncio.sleep(0)
             now = time.time()
             for tp, offset in offsets.items():
                 gen = GenerationUnit(generation, [(tp.topic, tp.partition, offset)], index.now, now)
@@ -171,9 +176,7 @@ class SnapshotPublisher:
                 self.pending_versions.pop(ns_key, None)
             else:
                 self.pending_versions[ns_key] = version
-        index.dirty.owners.clear()
-        index.dirty.pools.clear()
-        index.dirty.instances.clear()
+        index.dirty.clear()
         return PublishStats(generation, units, tombstones, size, time.monotonic() - started)
 
     def mark_all_dirty(self, index: Index) -> None:

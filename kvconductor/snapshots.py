@@ -519,7 +519,7 @@ def _apply_namespace(
             if isinstance(unit, OwnerUnit):
                 _restore_owner(ns, unit)
             elif isinstance(unit, PoolUnit):
-                store = ns._pool(unit.backend, unit.medium, unit.tier)
+                store = ns.restored_pool(unit.backend, unit.medium, unit.tier)
                 ns._place_pool(store, _unpack(unit.seqs), _unpack(unit.idents))
                 ns._drop_pool_if_empty(store)
         if isinstance(pending, PendingUnit):
