@@ -849,7 +849,11 @@ def start(
             for password in security.scram_users.values():
                 output = output.replace(password, "*****")
             print(output, file=sys.stderr)
-            raise KafkaLocalError(f"formatting the KRaft storage in {data_dir} failed")
+            # Kept: a caller that captures stderr (the soak, tests) loses it.
+            _write(logs / "format.out", output + "\n")
+            raise KafkaLocalError(
+                f"formatting the KRaft storage in {data_dir} failed; see {logs / 'format.out'}"
+            )
         if formatted_id is None:
             users = _scram_digests(cluster_id, security.scram_users)
             _write_private(data_dir / SCRAM_FILE, json.dumps({"users": users}, indent=2) + "\n")

@@ -492,7 +492,7 @@ class Soak:
                 "dead_letters": dlq.copies,
                 "dead_lettered_records": len(dlq.sources),
                 "daemon_lives": self.daemon.lives,
-                "broker_starts_reported_failed": self.broker.false_deaths,
+                "broker_starts_retried": self.broker.failed_starts,
                 "daemon_max_rss_mb": round(self.daemon.max_rss_kib / 1024, 1),
                 "max_consumer_lag": int(self.max_lag),
                 "queries_compared": len(queries),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,8 +246,19 @@ async def test_dead_letters_output_on_a_full_disk(kafka_bootstrap: str) -> None:
 # --------------------------------------------------------- kvconductor demo
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def demo_broker_error(broker_dir: Path) -> str:
-    (port,) = free_ports(1)
+    # The demo's broker takes the port and the next (its controller): both
+    # must be free, or the port check answers before the write is tried.
+    port = next(p for p in iter(lambda: free_ports(1)[0], 0) if _bindable(p + 1))
     code, _, err = tool(
         "demo", "--broker-dir", str(broker_dir), "--broker-port", str(port), "--duration", "1"
     )
