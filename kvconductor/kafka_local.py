@@ -398,8 +398,12 @@ def render_properties(data_dir: Path, listeners: Sequence[Listener], controller_
 
 def new_cluster_id() -> str:
     """16 random bytes, URL-safe base64 without padding (what ``kafka-storage random-uuid``
-    prints)."""
-    return base64.urlsafe_b64encode(os.urandom(16)).rstrip(b"=").decode("ascii")
+    prints), never starting with "-": the storage tool would read such an id (1 in 64) as an
+    option and fail to format."""
+    while True:
+        cid = base64.urlsafe_b64encode(os.urandom(16)).rstrip(b"=").decode("ascii")
+        if not cid.startswith("-"):
+            return cid
 
 
 def _existing_cluster_id(data_dir: Path) -> str | None:
