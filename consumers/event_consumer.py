@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import OffsetOutOfRangeError
 from aiokafka.structs import OffsetAndMetadata
 
 from consumers.dead_letters import DeadLetterWriter
+from consumers.positions import resume_positions
 from consumers.repartitioner import KIND, ORIGIN_KEY
 from kvconductor.core import Conductor
 from kvconductor.errors import BadRecord, DecodeError
 from kvconductor.metrics import Metrics
 
 log = structlog.get_logger("kvconductor.consumer")
+
+# Records applied between two chances for queries to run.
+YIELD_EVERY = 64
 
 RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
 # Positions every assigned partition and returns the offset it seeked each to.
@@ -135,7 +140,11 @@ class EventConsumer:
     async def poll(self, timeout_ms: int) -> int:
         """Fetch one batch and apply it; returns the records handled."""
         epoch = self.epoch
-        batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
+        try:
+            batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
+        except OffsetOutOfRangeError as exc:
+            await self._skip_deleted(exc.args[0])
+            return 0
         handled = 0
         if batch:
             self._heard = time.time()
@@ -157,6 +166,9 @@ class EventConsumer:
                         continue  # applied already (never apply a record twice)
                     await self._apply(record)
                     handled += 1
+                    if not handled % YIELD_EVERY:
+                        # Let queries in: a batch takes seconds when behind.
+                        await asyncio.sleep(0)
                 if records:
                     expected[tp] = max(start, records[-1].offset + 1)
             await self.dead_letters.flush()
@@ -164,6 +176,19 @@ class EventConsumer:
         if not self.caught_up:
             self.caught_up = await self._is_caught_up()
         return handled
+
+    async def _skip_deleted(self, partitions: Iterable[TopicPartition]) -> None:
+        """Retention deleted records this consumer had not read yet: resume at
+        the oldest record left, saying loudly and counting what was lost
+        (otherwise aiokafka's reset would skip the hole in silence)."""
+        async with self.lock:
+            assigned = self.consumer.assignment()
+            tps = [tp for tp in partitions if tp in assigned]
+            self.applied_offsets.update(
+                await resume_positions(
+                    self.consumer, tps, self.applied_offsets, self.conductor.counters
+                )
+            )
 
     async def _apply(self, record: Any) -> None:
         topic = record.topic

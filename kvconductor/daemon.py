@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -57,6 +57,9 @@ POLL_TIMEOUT_MS = 200
 # A broker answers a fetch every fetch_max_wait_ms (0.5 s) even when idle:
 # this long without an answer means it is gone, frozen or unreachable.
 KAFKA_SILENCE_S = 10.0
+# Once stopping, how long Kafka calls (the last snapshot, producers' flushes)
+# may still take: against an unreachable broker they would wait forever.
+STOP_GRACE_S = 15.0
 
 
 def _progress_log(every_s: float = 2.0) -> Callable[[int, int], None]:
@@ -113,12 +116,14 @@ class Daemon:
         self.metrics = Metrics(self.conductor)
         self.overflow = OverflowLog()
         self.stopping = asyncio.Event()
+        self._stop_by = float("inf")
         self.status = "starting"
         self.http_port: int | None = None
         self.events: EventConsumer | None = None
         self.publisher: SnapshotPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._kafka_ok = True
+        self._renew_snapshot_producer = False
         # Per partition, the next offset the in-memory state has not applied:
         # where a (re)assigned partition resumes.
         self._state_offsets: dict[TopicPartition, int] = {}
@@ -331,6 +336,7 @@ class Daemon:
             return
         offsets = dict(events.applied_offsets)
         if self.publisher is None:
+            self.conductor.index.dirty.clear()
             if offsets != self._last_published:
                 await events.commit(offsets)
                 self._last_published = offsets
@@ -340,6 +346,8 @@ class Daemon:
         changed = offsets != self._last_published or index.dirty.owners or index.dirty.pools
         if not (changed or force):
             return
+        if self._renew_snapshot_producer:
+            await self._renew_publisher()
         try:
             stats = await self.publisher.publish(index, offsets)
         except ProducerFenced as exc:
@@ -347,6 +355,13 @@ class Daemon:
                 "another daemon took over this transactional id (kafka.client_id must be "
                 "unique per daemon): stopping"
             ) from exc
+        except KafkaError:
+            # The generation is lost, and maybe the producer with it: aiokafka
+            # gives a transactional producer up for good when the broker drops
+            # the connection of a coordinator lookup (aio-libs/aiokafka#1151),
+            # and every later transaction then fails.
+            self._renew_snapshot_producer = True
+            raise
         self._last_published = offsets
         self._state_offsets.update(offsets)
         log.info(
@@ -357,6 +372,34 @@ class Daemon:
             bytes=stats.bytes,
             seconds=round(stats.seconds, 3),
         )
+
+    def _snapshot_producer(self) -> AIOKafkaProducer:
+        k = self.cfg.kafka
+        return AIOKafkaProducer(
+            bootstrap_servers=k.bootstrap_servers,
+            client_id=f"{k.client_id}-snapshot",
+            transactional_id=f"{k.group_id}-{k.client_id}",
+            enable_idempotence=True,
+            max_request_size=2 * 1024 * 1024,
+            **kafka_client_options(k),
+        )
+
+    async def _renew_publisher(self) -> None:
+        """Replace the snapshot producer by one with the same transactional
+        id, which fences the old one and aborts what it left open."""
+        assert self.publisher is not None
+        fresh = self._snapshot_producer()
+        try:
+            await fresh.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await fresh.stop()
+            raise
+        old, self.publisher.producer = self.publisher.producer, fresh
+        self._renew_snapshot_producer = False
+        log.info("snapshot producer renewed")
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(old.stop(), STOP_GRACE_S)
 
     async def run(self) -> None:
         """Run until `stop()`; raises FatalError for conditions that need a human."""
@@ -372,15 +415,7 @@ class Daemon:
             await self.prepare_topics()
             if self.cfg.snapshot.enabled:
                 snap_producer = await self._start_client(
-                    "starting snapshot producer",
-                    lambda: AIOKafkaProducer(
-                        bootstrap_servers=k.bootstrap_servers,
-                        client_id=f"{k.client_id}-snapshot",
-                        transactional_id=f"{k.group_id}-{k.client_id}",
-                        enable_idempotence=True,
-                        max_request_size=2 * 1024 * 1024,
-                        **opts,
-                    ),
+                    "starting snapshot producer", self._snapshot_producer
                 )
                 self.publisher = SnapshotPublisher(snap_producer, k.snapshot_topic, k.group_id)
                 if not k.repartition:
@@ -400,7 +435,9 @@ class Daemon:
                 client_id=k.client_id,
                 group_id=k.group_id,
                 enable_auto_commit=False,
-                auto_offset_reset="earliest",
+                # Every assignment seeks explicitly; a position retention has
+                # deleted is handled by the event consumer, counted and logged.
+                auto_offset_reset="none",
                 isolation_level="read_committed",
                 max_partition_fetch_bytes=4 * 1024 * 1024,
                 **opts,
@@ -456,24 +493,27 @@ class Daemon:
                 stage_one = asyncio.create_task(self._repartition_loop())
             self._kafka_ok = True
             self.status = "running"
-            await self._loop()
+            ended = await self._within_grace(self._loop(), "consuming")
             if stage_one is not None:
-                await stage_one
-            async with self.events.lock:
-                await self.checkpoint()
+                ended = await self._within_grace(stage_one, "repartitioning") and ended
+            if ended:  # else the loop, left behind, may hold the lock
+                await self._within_grace(self._last_checkpoint(), "last snapshot")
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise
         finally:
             self.status = "stopping"
+            self.stop()
+            if self.publisher is not None:
+                snap_producer = self.publisher.producer  # renewed, maybe
             if stage_one is not None and not stage_one.done():
                 stage_one.cancel()
-                with contextlib.suppress(BaseException):
-                    await stage_one
+                with contextlib.suppress(Exception):
+                    await self._within_grace(stage_one, "repartitioning")
             for client in (*clients, consumer, producer, snap_producer):
                 if client is not None:
                     with contextlib.suppress(Exception):
-                        await client.stop()
+                        await self._within_grace(client.stop(), "closing kafka clients")
             if self._runner is not None:
                 await self._runner.cleanup()
             self.overflow.check(self.conductor.counters, time.monotonic(), force=True)
@@ -521,7 +561,37 @@ class Daemon:
                 log.warning("repartitioning failed; retrying the batch", error=str(exc))
                 await asyncio.sleep(1.0)
 
+    async def _last_checkpoint(self) -> None:
+        assert self.events is not None
+        async with self.events.lock:
+            await self.checkpoint()
+
+    async def _within_grace(self, step: Awaitable[Any], what: str) -> bool:
+        """Await `step`; once stopping, only until the stop grace is over,
+        then cancel it and go on without it (a Kafka call waiting on an
+        unreachable broker may not end even when cancelled). True if it ended."""
+        task = asyncio.ensure_future(step)
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait([task], timeout=max(1.0, self._stop_by - time.monotonic()))
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            stopping.cancel()
+        if not task.done():
+            task.cancel()
+            log.warning("kafka unavailable: stopping without waiting for it", step=what)
+            return False
+        if not task.cancelled():
+            task.result()
+        return True
+
     def stop(self) -> None:
+        if not self.stopping.is_set():
+            self._stop_by = time.monotonic() + STOP_GRACE_S
         self.stopping.set()
 
 
