@@ -16,36 +16,28 @@ from typing import Protocol, cast
 Walked = tuple[int, int, int, int, list[tuple[int, int, int]]]
 
 
+# A namespace's (dev, host, disk, pool_host, pool_disk) tier dicts; a lower
+# tier that holds nothing is passed as None.
+Tiers = tuple[
+    dict[int, int],
+    dict[int, int] | None,
+    dict[int, int] | None,
+    dict[int, int] | None,
+    dict[int, int] | None,
+]
+
+
 class Kernel(Protocol):
-    """kernel/src/lib.rs: `kvconductor.query.match`'s walk and
+    """kernel/src/lib.rs: `kvconductor.query.match`'s walk, and
     `kvconductor.hashing`'s `pack_tokens` and `chain_identities` without
-    extra keys. A lower tier
-    that holds nothing is passed as None."""
+    extra keys."""
 
     def walk_tokens(
-        self,
-        data: bytes,
-        block_size: int,
-        seed: int,
-        slots: int,
-        dev: dict[int, int],
-        host: dict[int, int] | None,
-        disk: dict[int, int] | None,
-        pool_host: dict[int, int] | None,
-        pool_disk: dict[int, int] | None,
-        listed: int,
+        self, data: bytes, block_size: int, seed: int, slots: int, tiers: Tiers, listed: int
     ) -> Walked: ...
 
     def walk_identities(
-        self,
-        idents: list[int],
-        slots: int,
-        dev: dict[int, int],
-        host: dict[int, int] | None,
-        disk: dict[int, int] | None,
-        pool_host: dict[int, int] | None,
-        pool_disk: dict[int, int] | None,
-        listed: int,
+        self, idents: list[int], slots: int, tiers: Tiers, listed: int
     ) -> Walked: ...
 
     def pack_tokens(self, tokens: Sequence[int]) -> bytes: ...

@@ -93,15 +93,13 @@ def match(
     dev = ns.masks[DEVICE]
     if KERNEL is not None:
         slots = len(ns.slots)
+        tiers = (dev, host, disk, pool_host, pool_disk)
         if isinstance(prompt, Packed):
             walked = KERNEL.walk_tokens(
-                prompt.data, ns.block_size, prompt.seed, slots,
-                dev, host, disk, pool_host, pool_disk, listed,
-            )  # fmt: skip
-        else:
-            walked = KERNEL.walk_identities(
-                prompt, slots, dev, host, disk, pool_host, pool_disk, listed
+                prompt.data, ns.block_size, prompt.seed, slots, tiers, listed
             )
+        else:
+            walked = KERNEL.walk_identities(prompt, slots, tiers, listed)
     else:
         idents = (
             token_identities(prompt.data, ns.block_size, prompt.seed)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvconductor import hashing, query
 from kvconductor.hashing import BASE_SEED, pack_tokens
-from kvconductor.kernel import KERNEL, STATUS, Kernel
+from kvconductor.kernel import KERNEL, STATUS, Kernel, Tiers
 from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
 
@@ -76,11 +76,15 @@ def _python_walk(ns: NamespaceIndex, idents: list[int], listed: int) -> query.Wa
     return query._walk(ns, idents, listed, device_only)
 
 
-def _kernel_args(ns: NamespaceIndex) -> tuple[dict[int, int], ...]:
-    return tuple(d or None for d in (  # type: ignore[return-value]
-        ns.masks[DEVICE], ns.masks[HOST], ns.masks[DISK],
-        ns.pool_counts[HOST], ns.pool_counts[DISK],
-    ))  # fmt: skip
+def _tiers(ns: NamespaceIndex) -> Tiers:
+    """The tier tuple as `query.match` passes it: empty lower tiers as None."""
+    return (
+        ns.masks[DEVICE],
+        ns.masks[HOST] or None,
+        ns.masks[DISK] or None,
+        ns.pool_counts[HOST] or None,
+        ns.pool_counts[DISK] or None,
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -88,9 +92,7 @@ def _kernel_args(ns: NamespaceIndex) -> tuple[dict[int, int], ...]:
 def test_walk_tokens_matches_python(scene: tuple[NamespaceIndex, bytes, int, int]) -> None:
     kernel = _kernel()
     ns, data, seed, listed = scene
-    dev, host, disk, ph, pd = _kernel_args(ns)
-    slots = len(ns.slots)
-    got = kernel.walk_tokens(data, BLOCK, seed, slots, dev or {}, host, disk, ph, pd, listed)
+    got = kernel.walk_tokens(data, BLOCK, seed, len(ns.slots), _tiers(ns), listed)
     idents = list(query.token_identities(data, BLOCK, seed))
     assert got == _python_walk(ns, idents, listed)
 
@@ -100,9 +102,8 @@ def test_walk_tokens_matches_python(scene: tuple[NamespaceIndex, bytes, int, int
 def test_walk_identities_matches_python(scene: tuple[NamespaceIndex, bytes, int, int]) -> None:
     kernel = _kernel()
     ns, data, seed, listed = scene
-    dev, host, disk, ph, pd = _kernel_args(ns)
     idents = list(query.token_identities(data, BLOCK, seed))
-    got = kernel.walk_identities(idents, len(ns.slots), dev or {}, host, disk, ph, pd, listed)
+    got = kernel.walk_identities(idents, len(ns.slots), _tiers(ns), listed)
     assert got == _python_walk(ns, idents, listed)
 
 

@@ -123,13 +123,17 @@ impl<'py> Mask<'py> for Wide<'py> {
     }
 }
 
-struct Tiers<'py> {
-    dev: Bound<'py, PyDict>,
-    host: Option<Bound<'py, PyDict>>,
-    disk: Option<Bound<'py, PyDict>>,
-    pool_host: Option<Bound<'py, PyDict>>,
-    pool_disk: Option<Bound<'py, PyDict>>,
-}
+/// The namespace's tier dicts, passed from Python as one tuple
+/// `(dev, host, disk, pool_host, pool_disk)`; a lower tier that holds
+/// nothing is None.
+#[derive(FromPyObject)]
+struct Tiers<'py>(
+    Bound<'py, PyDict>,
+    Option<Bound<'py, PyDict>>,
+    Option<Bound<'py, PyDict>>,
+    Option<Bound<'py, PyDict>>,
+    Option<Bound<'py, PyDict>>,
+);
 
 fn get_mask<'py, M: Mask<'py>>(
     d: Option<&Bound<'py, PyDict>>,
@@ -168,11 +172,11 @@ fn walk<'py, M: Mask<'py>>(
     let changes = PyList::empty(py);
     let mut g = listed.clone();
     let mut i = 0usize;
-    let lower = t.host.is_some() || t.disk.is_some() || t.pool_host.is_some() || t.pool_disk.is_some();
+    let lower = t.1.is_some() || t.2.is_some() || t.3.is_some() || t.4.is_some();
     if !lower {
         // Device tiers only: CPU and DISK equal GPU.
         while let Some(key) = prompt.next(py)? {
-            let ng = g.and(&get_mask(Some(&t.dev), &key, &zero)?)?;
+            let ng = g.and(&get_mask(Some(&t.0), &key, &zero)?)?;
             if !ng.same(&g)? {
                 changes.append((0u8, i, g.xor(&ng)?.to_py(py)?))?;
                 g = ng;
@@ -191,17 +195,17 @@ fn walk<'py, M: Mask<'py>>(
         // Each probe is a likely cache miss in a big dict: skip the ones
         // that cannot change the outcome (an owner off the device prefix
         // needs a lower tier; a shared pool of the host class serves all).
-        let ng = if g.any()? { g.and(&get_mask(Some(&t.dev), &key, &zero)?)? } else { zero.clone() };
-        let (lower_c, lower_d) = if holds(&t.pool_host, &key)? {
+        let ng = if g.any()? { g.and(&get_mask(Some(&t.0), &key, &zero)?)? } else { zero.clone() };
+        let (lower_c, lower_d) = if holds(&t.3, &key)? {
             (listed.clone(), listed.clone())
         } else if !d.xor(&ng)?.any()? {
             (zero.clone(), zero.clone())
         } else {
-            let lower_c = get_mask(t.host.as_ref(), &key, &zero)?;
-            let lower_d = if holds(&t.pool_disk, &key)? {
+            let lower_c = get_mask(t.1.as_ref(), &key, &zero)?;
+            let lower_d = if holds(&t.4, &key)? {
                 listed.clone()
             } else {
-                lower_c.or(&get_mask(t.disk.as_ref(), &key, &zero)?)?
+                lower_c.or(&get_mask(t.2.as_ref(), &key, &zero)?)?
             };
             (lower_c, lower_d)
         };
@@ -247,62 +251,35 @@ fn dispatch<'py>(
 }
 
 /// `walk` over a prompt of packed little-endian u32 tokens. `slots`: the
-/// namespace's owner slot count (every mask is below `1 << slots`). A lower
-/// tier that holds nothing is passed as None; with all four None the walk
-/// reads only the device tiers.
+/// namespace's owner slot count (every mask is below `1 << slots`). With all
+/// four lower tiers None the walk reads only the device tiers.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (data, block_size, seed, slots, dev, host, disk, pool_host, pool_disk, listed))]
 fn walk_tokens<'py>(
     py: Python<'py>,
     data: &[u8],
     block_size: usize,
     seed: u64,
     slots: usize,
-    dev: Bound<'py, PyDict>,
-    host: Option<Bound<'py, PyDict>>,
-    disk: Option<Bound<'py, PyDict>>,
-    pool_host: Option<Bound<'py, PyDict>>,
-    pool_disk: Option<Bound<'py, PyDict>>,
+    tiers: Tiers<'py>,
     listed: Bound<'py, PyAny>,
 ) -> PyResult<Walked<'py>> {
     let step = block_size.checked_mul(4).filter(|s| *s > 0).ok_or_else(|| {
         pyo3::exceptions::PyValueError::new_err("block_size must be a positive integer")
     })?;
     let prompt = Prompt::Packed { data, step, pos: 0, ident: seed };
-    let tiers = Tiers {
-        dev,
-        host,
-        disk,
-        pool_host,
-        pool_disk,
-    };
     dispatch(py, prompt, tiers, slots, &listed)
 }
 
 /// `walk` over identities already known.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (idents, slots, dev, host, disk, pool_host, pool_disk, listed))]
 fn walk_identities<'py>(
     py: Python<'py>,
     idents: Bound<'py, PyList>,
     slots: usize,
-    dev: Bound<'py, PyDict>,
-    host: Option<Bound<'py, PyDict>>,
-    disk: Option<Bound<'py, PyDict>>,
-    pool_host: Option<Bound<'py, PyDict>>,
-    pool_disk: Option<Bound<'py, PyDict>>,
+    tiers: Tiers<'py>,
     listed: Bound<'py, PyAny>,
 ) -> PyResult<Walked<'py>> {
     let prompt = Prompt::Known { list: &idents, pos: 0 };
-    let tiers = Tiers {
-        dev,
-        host,
-        disk,
-        pool_host,
-        pool_disk,
-    };
     dispatch(py, prompt, tiers, slots, &listed)
 }
 
