@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import OffsetOutOfRangeError
+from aiokafka.errors import KafkaError, OffsetOutOfRangeError
 from aiokafka.structs import OffsetAndMetadata
 
 from consumers.dead_letters import DeadLetterWriter
@@ -176,6 +176,17 @@ class EventConsumer:
         if not self.caught_up:
             self.caught_up = await self._is_caught_up()
         return handled
+
+    async def poll_or_back_off(self, timeout_ms: int, doing: str) -> bool:
+        """`poll`, for a loop that outlives outages: a Kafka error is logged
+        and waited out for a second. Returns whether Kafka answered."""
+        try:
+            await self.poll(timeout_ms)
+        except KafkaError as exc:
+            log.warning(f"kafka error while {doing}; retrying", error=str(exc))
+            await asyncio.sleep(1.0)
+            return False
+        return True
 
     async def _skip_deleted(self, partitions: Iterable[TopicPartition]) -> None:
         """Retention deleted records this consumer had not read yet: resume at

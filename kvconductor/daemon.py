@@ -525,13 +525,8 @@ class Daemon:
         interval = self.cfg.snapshot.interval_s
         last_expire = last_checkpoint = time.monotonic()
         while not self.stopping.is_set():
-            try:
-                await events.poll(POLL_TIMEOUT_MS)
-                self._kafka_ok = True
-            except KafkaError as exc:
-                self._kafka_ok = False
-                log.warning("kafka error while consuming; retrying", error=str(exc))
-                await asyncio.sleep(1.0)
+            self._kafka_ok = await events.poll_or_back_off(POLL_TIMEOUT_MS, "consuming")
+            if not self._kafka_ok:
                 continue
             now = time.monotonic()
             if now - last_expire >= EXPIRE_EVERY_S:

@@ -360,17 +360,13 @@ class Replica:
         last_expire = time.monotonic()
         while True:
             try:
-                await events.poll(POLL_TIMEOUT_MS)
-                self._kafka_ok = True
-            except KafkaError as exc:
-                self._kafka_ok = False
-                log.warning("kafka error while following events; retrying", error=str(exc))
-                await asyncio.sleep(1.0)
-                continue
+                self._kafka_ok = await events.poll_or_back_off(POLL_TIMEOUT_MS, "following events")
             except Exception as exc:
                 self.error = exc
                 log.exception("replica stopped following events")
                 raise
+            if not self._kafka_ok:
+                continue
             self._offsets.update(events.applied_offsets)
             self.conductor.index.dirty.clear()  # a replica publishes nothing
             now = time.monotonic()
