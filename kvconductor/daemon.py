@@ -43,6 +43,7 @@ from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.kafka_errors import check_access
+from kvconductor.kernel import STATUS as KERNEL_STATUS
 from kvconductor.metrics import Metrics
 from kvconductor.namespace_index import NamespaceKey
 from kvconductor.overflow_log import OverflowLog
@@ -168,7 +169,8 @@ class Daemon:
         await site.start()
         server: Any = site._server
         self.http_port = server.sockets[0].getsockname()[1]
-        log.info("http listening", host=http.host, port=self.http_port)
+        # Which query path runs: a missing kernel is slower, not wrong.
+        log.info("http listening", host=http.host, port=self.http_port, query_path=KERNEL_STATUS)
 
     async def _with_backoff(self, what: str, attempt: Any) -> Any:
         delay = 0.5

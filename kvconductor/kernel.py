@@ -2,7 +2,7 @@
 
 `KVCONDUCTOR_KERNEL=off` forces the pure-Python path (the tests compare the
 two); any other value, or none, uses the kernel when the install built it.
-`STATUS` says which path runs, for the daemon's start-up log and /metrics.
+`STATUS` says which path runs, for the daemon's start-up log.
 """
 
 from __future__ import annotations
