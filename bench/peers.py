@@ -110,8 +110,8 @@ class KvconductorPeer:
         n = 0
         for ns in self.conductor.index.namespaces.values():
             for ranks in ns.owners.values():
-                n += sum(o.size() for o in ranks.values())
-            n += sum(len(s.blocks) for s in ns.pools.values())
+                n += sum(ns.store.owner_size(o.slot) for o in ranks.values())
+            n += sum(ns.store.pool_len(s.pid) for s in ns.pools.values())
         return n
 
 

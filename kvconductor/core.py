@@ -110,7 +110,7 @@ class Conductor:
             out["waiting"] += by_kind[WAITING]
             out["unresolved"] += by_kind[UNRESOLVED]
             out["intents"] += by_kind[INTENT]
-            out["retired"] += len(ns.retired)
+            out["retired"] += ns.store.retired_len()
         return out
 
     def workers(self) -> list[dict[str, object]]:
@@ -123,15 +123,15 @@ class Conductor:
                 ranks = ns.owners[instance]
                 instances[instance] = {
                     str(rank): {
-                        "GPU": len(o.tiers[DEVICE]),
-                        "CPU": len(o.tiers[HOST]),
-                        "DISK": len(o.tiers[DISK]),
+                        "GPU": ns.store.tier_len(o.slot, DEVICE),
+                        "CPU": ns.store.tier_len(o.slot, HOST),
+                        "DISK": ns.store.tier_len(o.slot, DISK),
                     }
                     for rank, o in sorted(ranks.items())
                 }
             pools: dict[str, dict[str, int]] = {}
             for (backend, medium), store in sorted(ns.pools.items()):
-                pools.setdefault(backend, {})[medium] = len(store.blocks)
+                pools.setdefault(backend, {})[medium] = ns.store.pool_len(store.pid)
             out.append(
                 {
                     "tenant": key.tenant,

@@ -10,35 +10,19 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
-# (blocks walked, GPU bits, CPU bits, DISK bits, [(tier, at, lost bits)])
-Walked = tuple[int, int, int, int, list[tuple[int, int, int]]]
-
-
-# A namespace's (dev, host, disk, pool_host, pool_disk) tier dicts; a lower
-# tier that holds nothing is passed as None.
-Tiers = tuple[
-    dict[int, int],
-    dict[int, int] | None,
-    dict[int, int] | None,
-    dict[int, int] | None,
-    dict[int, int] | None,
-]
+if TYPE_CHECKING:
+    # block_store imports this module for KERNEL: the type only.
+    from kvconductor.block_store import BlockStore as Store
 
 
 class Kernel(Protocol):
-    """kernel/src/lib.rs: `kvconductor.query.match`'s walk, and
-    `kvconductor.hashing`'s `pack_tokens` and `chain_identities` without
+    """kernel/src/lib.rs: the namespace block store (kernel/src/store.rs),
+    and `kvconductor.hashing`'s `pack_tokens` and `chain_identities` without
     extra keys."""
 
-    def walk_tokens(
-        self, data: bytes, block_size: int, seed: int, slots: int, tiers: Tiers, listed: int
-    ) -> Walked: ...
-
-    def walk_identities(
-        self, idents: list[int], slots: int, tiers: Tiers, listed: int
-    ) -> Walked: ...
+    def BlockStore(self, max_retired: int, max_age_s: float) -> Store: ...
 
     def pack_tokens(self, tokens: Sequence[int]) -> bytes: ...
 

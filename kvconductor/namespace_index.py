@@ -1,26 +1,31 @@
-"""One namespace's index: tiers, content catalog and two-phase joins.
+"""One namespace's index: owners, pool stores and two-phase joins.
 
-Layout (all keyed by block identity, see `hashing`):
+The per-block state lives in the namespace's `BlockStore` (see
+`block_store`; compiled when the kernel is built), all keyed by block
+identity (see `hashing`) or by the engine's sequence hash:
 
-- `masks[tier]`: identity -> bitmask of owner slots holding it in that tier
-  (device, own host, own disk). An owner is one (instance, dp rank); its slot
-  is its bit. A hit on an identity implies its whole chain, so these flat
-  dicts are the radix tree and the continuation edges at once.
-- `pool_counts[tier]`: identity -> number of pool stores (backend, medium)
-  holding it, for the host and disk classes. Every rank of the namespace can
-  load from every pool backend, so the pool needs no owner bits.
-- `Owner.tiers[tier]` and `PoolStore.blocks`: sequence hash -> identity, the
-  names engines and pools give their blocks, for removals.
-- the catalog, `content`: sequence hash -> identity with a reference count of
-  holders (placements and pinned intents); it is what token-less stores,
-  pool confirmations, chains whose parent is named by hash, and
-  `/query_by_hash` resolve through. When its last holder goes, an entry is
-  retired, not forgotten: the contract lets content come from an event
-  "before or after", and a pool confirmation routinely lands after the
-  engine evicted the block from its GPU. Retired content is bounded in count
-  and age like the pending halves, in a queue of its own so that ordinary
-  eviction churn never pushes out a half that waits.
-- `pending`: what waits for its other half, bounded in count and age.
+- per tier (device, own host, own disk): identity -> bitmask of the owner
+  slots holding it. An owner is one (instance, dp rank); its slot is its
+  bit. A hit on an identity implies its whole chain, so these flat maps are
+  the radix tree and the continuation edges at once.
+- per pool class (host, disk): identity -> number of pool stores (backend,
+  medium) holding it. Every rank of the namespace can load from every pool
+  backend, so the pool needs no owner bits.
+- each owner tier and pool store: the sequence hashes it holds, the names
+  engines and pools give their blocks, for removals.
+- the catalog: sequence hash -> identity with a reference count of holders
+  (placements and pinned intents); it is what token-less stores, pool
+  confirmations, chains whose parent is named by hash, and `/query_by_hash`
+  resolve through. When its last holder goes, an entry is retired, not
+  forgotten: the contract lets content come from an event "before or
+  after", and a pool confirmation routinely lands after the engine evicted
+  the block from its GPU. Retired content is bounded in count and age like
+  the pending halves, in a queue of its own so that ordinary eviction churn
+  never pushes out a half that waits.
+
+Here: which owner has which slot, and what waits for its other half
+(`pending`, bounded in count and age, with `waiting`, `unresolved` and
+`children` holding what each pending key stands for).
 
 Everything is freed when nothing holds it, so a namespace that has seen a
 store and the matching removals is empty again (`is_empty`).
@@ -29,14 +34,13 @@ store and the matching removals is empty again (`is_empty`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+from kvconductor.block_store import BlockStore, Placed, new_store
 from kvconductor.hashing import block_identity, chain_identities, lora_seed, pack_tokens
-from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.pending import (
     INTENT,
-    RETIRED,
     UNRESOLVED,
     WAITING,
     PendingKey,
@@ -68,35 +72,28 @@ class Unresolved(NamedTuple):
 
 
 class Owner:
-    """One (instance, dp rank) in a namespace: its own three tiers."""
+    """One (instance, dp rank) in a namespace; its three tiers are in the
+    store under its slot."""
 
-    __slots__ = ("bit", "dups", "instance", "rank", "slot", "tiers")
+    __slots__ = ("bit", "instance", "rank", "slot")
 
     def __init__(self, instance: str, rank: int, slot: int) -> None:
         self.instance = instance
         self.rank = rank
         self.slot = slot
         self.bit = 1 << slot
-        self.tiers: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
-        # (tier, identity) -> holders beyond the first, when two sequence
-        # hashes of one owner name the same content.
-        self.dups: dict[tuple[int, int], int] = {}
-
-    def size(self) -> int:
-        t = self.tiers
-        return len(t[0]) + len(t[1]) + len(t[2])
 
 
 class PoolStore:
-    """One pool backend's blocks in one medium."""
+    """One pool backend's blocks in one medium, in the store under `pid`."""
 
-    __slots__ = ("backend", "blocks", "medium", "tier")
+    __slots__ = ("backend", "medium", "pid", "tier")
 
-    def __init__(self, backend: str, medium: str, tier: int) -> None:
+    def __init__(self, backend: str, medium: str, tier: int, pid: int) -> None:
         self.backend = backend
         self.medium = medium
         self.tier = tier
-        self.blocks: dict[int, int] = {}
+        self.pid = pid
 
 
 class Dirty:
@@ -135,20 +132,17 @@ class NamespaceIndex:
         self.max_blocks_per_owner = max_blocks_per_owner
         self.max_owners = max_owners
         self.counters = counters
-        self.masks: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
-        self.pool_counts: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+        self.store: BlockStore = new_store(max_retired, max_pending_age_s)
         self.owners: dict[str, dict[int, Owner]] = {}
         self.slots: list[Owner | None] = []
         self.free_slots: list[int] = []
         self.all_bits = 0
         self.pools: dict[tuple[str, str], PoolStore] = {}
-        self.content: dict[int, int] = {}
-        self.refs: dict[int, int] = {}
+        self.next_pid = 0
         self.waiting: dict[int, list[Target]] = {}
         self.unresolved: dict[int, Unresolved] = {}
         self.children: dict[int, list[int]] = {}
         self.pending = PendingQueue(max_pending, max_pending_age_s, self._on_pending_drop)
-        self.retired = PendingQueue(max_retired, max_pending_age_s, self._on_retired_drop)
         # Event time of the record being applied: pending halves age by it,
         # so a replay of the same records drops exactly the same halves.
         self.now = 0.0
@@ -156,38 +150,31 @@ class NamespaceIndex:
     def touch(self, now: float) -> None:
         if now > self.now:
             self.now = now
+            self.store.set_now(now)
+
+    def pending_version(self) -> int:
+        """Changes whenever a pending half or retired content changes."""
+        return self.pending.version << 64 | self.store.retired_version()
 
     # ----------------------------------------------------------- catalog
 
     def _acquire(self, seq: int, ident: int) -> int:
         """Take a reference on `seq`'s content; returns its canonical identity."""
-        cur = self.content.get(seq)
-        if cur is None:
-            self.content[seq] = ident
-            self.refs[seq] = 1
-            return ident
-        held = self.refs.get(seq)
-        if held is None:
-            self.retired.discard((RETIRED, seq))
-            self.refs[seq] = 1
-        else:
-            self.refs[seq] = held + 1
+        cur = self.store.acquire(seq, ident)
         if cur != ident:
             self.counters["hash_conflicts"] += 1
         return cur
 
     def _release(self, seq: int) -> None:
-        left = self.refs[seq] - 1
-        if left:
-            self.refs[seq] = left
-        else:
-            del self.refs[seq]
-            self.retired.add((RETIRED, seq), self.now)
+        self.store.release(seq)
 
-    def _on_retired_drop(self, key: PendingKey, why: str) -> None:
-        seq: int = key[1]
-        if seq not in self.refs:
-            del self.content[seq]
+    def _count(self, placed: Placed, dropped_as: str) -> Placed:
+        _, dropped, conflicts, _ = placed
+        if dropped:
+            self.counters[dropped_as] += dropped
+        if conflicts:
+            self.counters["hash_conflicts"] += conflicts
+        return placed
 
     def _learn(self, seqs: Sequence[int], idents: Sequence[int]) -> None:
         """Content of `seqs` is now known: complete whatever waited for it.
@@ -219,11 +206,9 @@ class NamespaceIndex:
                 for t in targets:
                     pending.discard((WAITING, s, t))
                     self._place_target(t, s, i)
-            if s not in self.content:
-                # Known now but held by nobody (its placement was cancelled
-                # while it waited): keep it for late halves like any content.
-                self.content[s] = i
-                self.retired.add((RETIRED, s), self.now)
+            # Known now but maybe held by nobody (its placement was cancelled
+            # while it waited): keep it for late halves like any content.
+            self.store.remember(s, i)
             kids = self.children.pop(s, None)
             if kids:
                 for k in kids:
@@ -246,10 +231,8 @@ class NamespaceIndex:
         # An intent for content some pool already holds has nothing left to
         # wait for (the join happened the other way round), but it still
         # names that content under its hash.
-        if ident in self.pool_counts[HOST] or ident in self.pool_counts[DISK]:
-            if seq not in self.content:
-                self.content[seq] = ident
-                self.retired.add((RETIRED, seq), self.now)
+        if self.store.pool_holds(ident):
+            self.store.remember(seq, ident)
             return
         if self.pending.add((INTENT, seq), self.now):
             self._acquire(seq, ident)
@@ -283,7 +266,7 @@ class NamespaceIndex:
     def expire(self, now: float) -> None:
         self.touch(now)
         self.pending.expire(self.now)
-        self.retired.expire(self.now)
+        self.store.expire(self.now)
 
     # ------------------------------------------------------------ owners
 
@@ -302,6 +285,7 @@ class NamespaceIndex:
                 slot = len(self.slots)
                 self.slots.append(None)
             owner = ranks[rank] = Owner(instance, rank, slot)
+            self.store.add_owner(slot)
             self.slots[slot] = owner
             self.all_bits |= owner.bit
         self.dirty.owners.add((self.key, instance, rank))
@@ -314,8 +298,9 @@ class NamespaceIndex:
         return owner
 
     def _retire_if_empty(self, owner: Owner) -> None:
-        if owner.size():
+        if self.store.owner_size(owner.slot):
             return
+        self.store.drop_owner(owner.slot)
         ranks = self.owners[owner.instance]
         del ranks[owner.rank]
         if not ranks:
@@ -330,67 +315,12 @@ class NamespaceIndex:
 
     def _place_owner(
         self, owner: Owner, tier: int, seqs: Sequence[int], idents: Sequence[int] | None
-    ) -> int:
-        """Place known content in an owner's tier; idents None: from the catalog."""
-        tmap = owner.tiers[tier]
-        masks = self.masks[tier]
-        bit = owner.bit
-        content = self.content
-        refs = self.refs
-        room = self.max_blocks_per_owner - owner.size()
-        placed = 0
-        for k, seq in enumerate(seqs):
-            if seq in tmap:
-                continue
-            if placed >= room:
-                self.counters["owner_capacity_dropped"] += len(seqs) - k
-                break
-            cur = content.get(seq)
-            if cur is None:
-                assert idents is not None
-                ident = idents[k]
-                content[seq] = ident
-                refs[seq] = 1
-            else:
-                ident = cur
-                held = refs.get(seq)
-                if held is None:
-                    self.retired.discard((RETIRED, seq))
-                    refs[seq] = 1
-                else:
-                    refs[seq] = held + 1
-                if idents is not None and idents[k] != cur:
-                    self.counters["hash_conflicts"] += 1
-            tmap[seq] = ident
-            m = masks.get(ident, 0)
-            if m & bit:
-                dk = (tier, ident)
-                owner.dups[dk] = owner.dups.get(dk, 0) + 1
-            else:
-                masks[ident] = m | bit
-            placed += 1
-        return placed
-
-    def _unplace_owner(self, owner: Owner, tier: int, seq: int) -> bool:
-        ident = owner.tiers[tier].pop(seq, None)
-        if ident is None:
-            return False
-        dk = (tier, ident)
-        extra = owner.dups.get(dk)
-        if extra:
-            if extra == 1:
-                del owner.dups[dk]
-            else:
-                owner.dups[dk] = extra - 1
-        else:
-            masks = self.masks[tier]
-            m = masks[ident] & ~owner.bit
-            if m:
-                masks[ident] = m
-            else:
-                del masks[ident]
-        self._release(seq)
-        return True
+    ) -> Placed:
+        """Place blocks in an owner's tier; idents None: those the catalog
+        knows (the others are returned, to wait)."""
+        room = self.max_blocks_per_owner - self.store.owner_size(owner.slot)
+        placed = self.store.place_owner(owner.slot, tier, seqs, idents, room)
+        return self._count(placed, "owner_capacity_dropped")
 
     # ------------------------------------------------------------- pools
 
@@ -400,7 +330,10 @@ class NamespaceIndex:
         if store is None:
             if len(self.pools) >= self.max_owners:
                 return None
-            store = self.pools[(backend, medium)] = PoolStore(backend, medium, tier)
+            store = PoolStore(backend, medium, tier, self.next_pid)
+            self.next_pid += 1
+            self.pools[(backend, medium)] = store
+            self.store.add_pool(store.pid, tier)
         self.dirty.pools.add((self.key, backend, medium))
         return store
 
@@ -412,41 +345,20 @@ class NamespaceIndex:
 
     def _place_pool(
         self, store: PoolStore, seqs: Sequence[int], idents: Sequence[int] | None
-    ) -> int:
-        blocks = store.blocks
-        counts = self.pool_counts[store.tier]
-        room = self.max_blocks_per_owner - len(blocks)
-        placed = 0
-        for k, seq in enumerate(seqs):
-            if seq in blocks:
-                continue
-            if placed >= room:
-                self.counters["pool_capacity_dropped"] += len(seqs) - k
-                break
-            ident = self._acquire(seq, idents[k] if idents is not None else self.content[seq])
-            blocks[seq] = ident
-            counts[ident] = counts.get(ident, 0) + 1
-            if self.pending.by_kind[INTENT] and (INTENT, seq) in self.pending:
+    ) -> Placed:
+        room = self.max_blocks_per_owner - self.store.pool_len(store.pid)
+        # Placed blocks consume the offload intents pinned for them.
+        placed_out: list[int] | None = [] if self.pending.by_kind[INTENT] else None
+        placed = self.store.place_pool(store.pid, seqs, idents, room, placed_out)
+        for seq in placed_out or ():
+            if (INTENT, seq) in self.pending:
                 self._unpin(seq)
-            placed += 1
-        return placed
-
-    def _unplace_pool(self, store: PoolStore, seq: int) -> bool:
-        ident = store.blocks.pop(seq, None)
-        if ident is None:
-            return False
-        counts = self.pool_counts[store.tier]
-        left = counts[ident] - 1
-        if left:
-            counts[ident] = left
-        else:
-            del counts[ident]
-        self._release(seq)
-        return True
+        return self._count(placed, "pool_capacity_dropped")
 
     def _drop_pool_if_empty(self, store: PoolStore) -> None:
-        if not store.blocks:
+        if not self.store.pool_len(store.pid):
             self.pools.pop((store.backend, store.medium), None)
+            self.store.drop_pool(store.pid)
 
     def _place_target(self, target: Target, seq: int, ident: int) -> None:
         kind, name, where, tier = target
@@ -487,14 +399,14 @@ class NamespaceIndex:
             self.counters["partial_blocks_skipped"] += len(seqs) - n
         full = list(seqs[:n])
         token_bytes = pack_tokens(token_ids[: n * bs])
-        root = self.seed if parent is None else self.content.get(parent)
+        root = self.seed if parent is None else self.store.ident(parent)
         if root is not None:
             return full, chain_identities(token_bytes, n, bs, root, extra)
         assert parent is not None
         step = bs * 4
         prev = parent
         for k, seq in enumerate(full):
-            if seq not in self.content and seq not in self.unresolved:
+            if seq not in self.unresolved and self.store.ident(seq) is None:
                 key = extra[k] if extra is not None and k < len(extra) else None
                 self.unresolved[seq] = Unresolved(
                     prev, token_bytes[k * step : (k + 1) * step], key, pin
@@ -524,50 +436,31 @@ class NamespaceIndex:
         if owner is None:
             self.counters["owner_limit_dropped"] += len(seqs)
             return 0
-        if owner.size() >= self.max_blocks_per_owner:
+        if self.store.owner_size(owner.slot) >= self.max_blocks_per_owner:
             # A full owner's store is dropped whole, before any of it can wait
             # in the pending queue for a parent that was itself dropped.
-            held = owner.tiers[tier]
-            self.counters["owner_capacity_dropped"] += sum(1 for s in seqs if s not in held)
+            self.counters["owner_capacity_dropped"] += self.store.count_new(owner.slot, tier, seqs)
             return 0
         idents: list[int] | None = None
         if token_ids:
             seqs, idents = self._chain(seqs, parent, token_ids, extra, False)
+        placed = self._then_wait(
+            self._place_owner(owner, tier, seqs, idents), ("o", instance, rank, tier)
+        )
         if idents is not None:
-            placed = self._place_owner(owner, tier, seqs, idents)
             self._learn(seqs, idents)
-        else:
-            placed = self._place_known_or_wait(seqs, owner, tier, ("o", instance, rank, tier))
         self._retire_if_empty(owner)
         return placed
 
-    def _place_known_or_wait(
-        self, seqs: Sequence[int], owner: Owner, tier: int, target: Target
-    ) -> int:
-        def place(known: list[int]) -> int:
-            return self._place_owner(owner, tier, known, None)
-
-        return self._known_then_wait(seqs, owner.tiers[tier], target, place)
-
-    def _known_then_wait(
-        self,
-        seqs: Sequence[int],
-        held: Container[int],
-        target: Target,
-        place: Callable[[list[int]], int],
-    ) -> int:
-        """Place the blocks whose content is known, then wait for the rest.
+    def _then_wait(self, placed: Placed, target: Target) -> int:
+        """The blocks whose content is known are placed; now wait for the rest.
 
         In this order because a wait can evict from a full pending queue, and
         what that releases can retire, and so push out, known content: placed
         first, the known blocks are held and safe."""
-        content = self.content
-        known = [seq for seq in seqs if seq in content]
-        placed = place(known) if known else 0
-        for seq in seqs:
-            if seq not in content and seq not in held:
-                self._wait(seq, target)
-        return placed
+        for seq in placed[3]:
+            self._wait(seq, target)
+        return placed[0]
 
     def offload_intent(
         self,
@@ -587,7 +480,7 @@ class NamespaceIndex:
             return len(seqs)
         pinned = 0
         for seq in seqs:
-            known = self.content.get(seq)
+            known = self.store.ident(seq)
             if known is None:
                 self.counters["intent_without_content"] += 1
             else:
@@ -600,17 +493,11 @@ class NamespaceIndex:
         owner = self.owners.get(instance, {}).get(rank)
         if owner is not None:
             self.dirty.owners.add((self.key, instance, rank))
-        missing: list[int] = []
         target: OwnerTarget = ("o", instance, rank, tier)
-        for seq in seqs:
-            if owner is not None and self._unplace_owner(owner, tier, seq):
-                continue
-            if self._cancel_wait(seq, target):
-                continue
-            missing.append(seq)
         if owner is not None:
+            seqs = self.store.remove_owner(owner.slot, tier, list(seqs))
             self._retire_if_empty(owner)
-        return missing
+        return [seq for seq in seqs if not self._cancel_wait(seq, target)]
 
     def _cancel_wait(self, seq: int, target: Target) -> bool:
         if not self.pending.discard((WAITING, seq, target)):
@@ -627,10 +514,7 @@ class NamespaceIndex:
         owner = self.owners.get(instance, {}).get(rank)
         if owner is not None:
             self.dirty.owners.add((self.key, instance, rank))
-            for tier in (DEVICE, HOST, DISK):
-                for seq in list(owner.tiers[tier]):
-                    self._unplace_owner(owner, tier, seq)
-                    removed += 1
+            removed = self.store.clear_owner(owner.slot)
             self._retire_if_empty(owner)
         self._cancel_waits(lambda t: t[0] == "o" and t[1] == instance and t[2] == rank)
         return removed
@@ -664,16 +548,12 @@ class NamespaceIndex:
             self.counters["pool_limit_dropped"] += len(seqs)
             return 0
         target: PoolTarget = ("p", backend, medium, tier)
+        idents: list[int] | None = None
         if token_ids:
             seqs, idents = self._chain(seqs, parent, token_ids, None, False)
-            if idents is not None:
-                placed = self._place_pool(store, seqs, idents)
-                self._learn(seqs, idents)
-                self._drop_pool_if_empty(store)
-                return placed
-        placed = self._known_then_wait(
-            seqs, store.blocks, target, lambda known: self._place_pool(store, known, None)
-        )
+        placed = self._then_wait(self._place_pool(store, seqs, idents), target)
+        if idents is not None:
+            self._learn(seqs, idents)
         self._drop_pool_if_empty(store)
         return placed
 
@@ -685,7 +565,7 @@ class NamespaceIndex:
         for seq in seqs:
             hit = False
             for store in stores:
-                hit = self._unplace_pool(store, seq) or hit
+                hit = self.store.remove_pool(store.pid, seq) or hit
             if hit:
                 removed += 1
             elif not self._cancel_pool_waits(seq, backend, medium):
@@ -708,9 +588,7 @@ class NamespaceIndex:
         removed = 0
         for store in self._pool_stores(backend, medium):
             self.dirty.pools.add((self.key, backend, store.medium))
-            for seq in list(store.blocks):
-                self._unplace_pool(store, seq)
-                removed += 1
+            removed += self.store.clear_pool(store.pid)
             self._drop_pool_if_empty(store)
         self._cancel_waits(
             lambda t: t[0] == "p" and t[1] == backend and (medium is None or t[2] == medium)
@@ -727,43 +605,23 @@ class NamespaceIndex:
 
     def load(
         self,
-        owners: Sequence[tuple[str, int, Sequence[tuple[list[int], list[int]]]]],
-        pools: Sequence[tuple[str, str, int, list[int], list[int]]],
+        owners: Sequence[tuple[str, int, Sequence[tuple[bytes, bytes]]]],
+        pools: Sequence[tuple[str, str, int, bytes, bytes]],
     ) -> None:
-        """Bulk-load owner tiers and pool stores of a snapshot into this fresh
-        namespace: whole dicts at C speed, one pass over identities for the
-        bitmasks. Same result as placing block by block."""
-        assert not self.content, "load() is for a namespace restored from scratch"
-        content = self.content
-        held: Counter[int] = Counter()
+        """Bulk-load owner tiers and pool stores of a snapshot (packed
+        arrays) into this fresh namespace. Same result as placing block by
+        block."""
+        assert not self.store.content_len(), "load() is for a namespace restored from scratch"
         for instance, rank, tiers in owners:
             owner = self.restored_owner(instance, rank)
-            bit = owner.bit
             for tier, (seqs, idents) in enumerate(tiers):
-                if not seqs:
-                    continue
-                owner.tiers[tier].update(zip(seqs, idents, strict=True))
-                content.update(zip(seqs, idents, strict=True))
-                held.update(seqs)
-                masks = self.masks[tier]
-                get = masks.get
-                for ident in idents:
-                    masks[ident] = get(ident, 0) | bit
-                if len(set(idents)) != len(idents):
-                    for ident, n in Counter(idents).items():
-                        if n > 1:
-                            owner.dups[(tier, ident)] = n - 1
+                if seqs:
+                    self.store.load_owner(owner.slot, tier, seqs, idents)
             self._retire_if_empty(owner)
         for backend, medium, tier, seqs, idents in pools:
             store = self.restored_pool(backend, medium, tier)
-            store.blocks.update(zip(seqs, idents, strict=True))
-            content.update(zip(seqs, idents, strict=True))
-            held.update(seqs)
-            counts = self.pool_counts[tier]
-            for ident, n in Counter(idents).items():
-                counts[ident] = counts.get(ident, 0) + n
+            self.store.load_pool(store.pid, seqs, idents)
             self._drop_pool_if_empty(store)
-        self.refs.update(held)
 
     # ------------------------------------------------------------ reading
 
@@ -771,23 +629,14 @@ class NamespaceIndex:
         return not (
             self.owners
             or self.pools
-            or self.content
+            or self.store.content_len()
             or self.pending
-            or self.retired
+            or self.store.retired_len()
             or self.waiting
             or self.unresolved
             or self.children
-            or any(self.masks)
-            or any(self.pool_counts)
         )
 
-    def identities_of(self, seqs: Iterable[int]) -> list[int]:
+    def identities_of(self, seqs: Sequence[int]) -> list[int]:
         """Identities of a prompt named by engine hashes, up to the first unknown."""
-        content = self.content
-        out: list[int] = []
-        for seq in seqs:
-            ident = content.get(seq)
-            if ident is None:
-                break
-            out.append(ident)
-        return out
+        return self.store.identities_of(seqs)

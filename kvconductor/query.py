@@ -9,26 +9,22 @@ prompt's block identities:
 - `DISK`: the same extension when disk-class tiers (own or pool) serve too.
 
 Each of the three is a set of still-matching owners kept as a bitmask over
-owner slots, so one block costs a few dict lookups and big-int operations
-however many owners there are; the pass stops at the first block that no
-owner can serve, and prompt hashing is lazy, so a short hit never hashes the
-rest of a long prompt.
+owner slots, so one block costs a few map lookups however many owners there
+are; the pass stops at the first block that no owner can serve, and prompt
+hashing is lazy, so a short hit never hashes the rest of a long prompt. The
+walk itself is the namespace store's (`BlockStore.match_*`); here are the
+request's checks and the answer's shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
-import xxhash
-
+from kvconductor.block_store import Matched
 from kvconductor.hashing import MASK64, extra_keys_fingerprint, pack_tokens
-from kvconductor.kernel import KERNEL, Walked
-from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
-
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def namespace_of(req: TokenQuery | HashQuery) -> NamespaceKey:
@@ -61,15 +57,6 @@ class Packed(NamedTuple):
     seed: int
 
 
-def token_identities(data: bytes, block_size: int, seed: int) -> Iterator[int]:
-    """The prompt's block identities, hashed only as far as they are read."""
-    step = block_size * 4
-    ident = seed
-    for start in range(0, len(data), step):
-        ident = _xxh3(data[start : start + step], ident)
-        yield ident
-
-
 def normalise_query_hash(value: int | str) -> int:
     if isinstance(value, int):
         if not -(1 << 63) <= value <= MASK64:
@@ -81,99 +68,11 @@ def normalise_query_hash(value: int | str) -> int:
         raise InvalidQuery("a string seq_hash must be the hex of a digest") from exc
 
 
-def match(
-    ns: NamespaceIndex, prompt: Packed | list[int], listed: int
-) -> dict[int, tuple[int, int, int]]:
-    """Per listed owner slot: (GPU, CPU, DISK) matched lengths in blocks."""
-    host = ns.masks[HOST] or None
-    disk = ns.masks[DISK] or None
-    pool_host = ns.pool_counts[HOST] or None
-    pool_disk = ns.pool_counts[DISK] or None
-    device_only = not (host or disk or pool_host or pool_disk)
-    dev = ns.masks[DEVICE]
-    if KERNEL is not None:
-        slots = len(ns.slots)
-        tiers = (dev, host, disk, pool_host, pool_disk)
-        if isinstance(prompt, Packed):
-            walked = KERNEL.walk_tokens(
-                prompt.data, ns.block_size, prompt.seed, slots, tiers, listed
-            )
-        else:
-            walked = KERNEL.walk_identities(prompt, slots, tiers, listed)
-    else:
-        idents = (
-            token_identities(prompt.data, ns.block_size, prompt.seed)
-            if isinstance(prompt, Packed)
-            else prompt
-        )
-        walked = _walk(ns, idents, listed, device_only)
-    return _lengths(walked, device_only)
-
-
-def _walk(ns: NamespaceIndex, idents: Iterable[int], listed: int, device_only: bool) -> Walked:
-    """The tier walk in Python: the same as the kernel's `walk`."""
-    dev, host, disk = ns.masks
-    pool_host = ns.pool_counts[HOST]
-    pool_disk = ns.pool_counts[DISK]
-    g = c = d = listed
-    changes: list[tuple[int, int, int]] = []
-    i = 0
-    if device_only:
-        for ident in idents:
-            ng = g & dev.get(ident, 0)
-            if ng != g:
-                changes.append((0, i, g ^ ng))
-                g = ng
-                if not g:
-                    break
-            i += 1
-        return i, g, g, g, changes
-    for ident in idents:
-        ng = g & dev.get(ident, 0)
-        lower_c = host.get(ident, 0)
-        if ident in pool_host:
-            lower_c = listed
-        lower_d = lower_c | disk.get(ident, 0)
-        if ident in pool_disk:
-            lower_d = listed
-        nc = ng | (c & lower_c)
-        nd = ng | (d & lower_d)
-        if ng != g:
-            changes.append((0, i, g ^ ng))
-            g = ng
-        if nc != c:
-            changes.append((1, i, c ^ nc))
-            c = nc
-        if nd != d:
-            changes.append((2, i, d ^ nd))
-            d = nd
-            if not d:
-                break
-        i += 1
-    return i, g, c, d, changes
-
-
-def _lengths(walked: Walked, device_only: bool) -> dict[int, tuple[int, int, int]]:
-    """Each owner's matched length per tier: where its bit was lost, or the
-    whole walk for bits still set at its end."""
-    length, g, c, d, changes = walked
-    ends: list[dict[int, int]] = [{}, {}, {}]
-    for tier, at, lost in changes:
-        _ended(lost, at, ends[tier])
-    _ended(g, length, ends[0])
-    if device_only:
-        return {slot: (n, n, n) for slot, n in ends[0].items()}
-    _ended(c, length, ends[1])
-    _ended(d, length, ends[2])
-    gl, cl, dl = ends
-    return {slot: (gl[slot], cl[slot], dl[slot]) for slot in gl}
-
-
-def _ended(bits: int, at: int, into: dict[int, int]) -> None:
-    while bits:
-        low = bits & -bits
-        into[low.bit_length() - 1] = at
-        bits ^= low
+def match(ns: NamespaceIndex, prompt: Packed | list[int], listed: int) -> Matched:
+    """Per listed owner slot: (slot, GPU, CPU, DISK) matched lengths in blocks."""
+    if isinstance(prompt, Packed):
+        return ns.store.match_tokens(prompt.data, ns.block_size, prompt.seed, listed)
+    return ns.store.match_identities(prompt, listed)
 
 
 def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:
@@ -185,13 +84,11 @@ def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:
     return bits
 
 
-def respond(
-    ns: NamespaceIndex, tenant: str, lengths: dict[int, tuple[int, int, int]]
-) -> QueryResponse:
+def respond(ns: NamespaceIndex, tenant: str, lengths: Matched) -> QueryResponse:
     """Shape per-slot lengths as the contract's answer, in tokens."""
     bs = ns.block_size
     by_instance: dict[str, list[tuple[int, int, int, int]]] = {}
-    for slot, (g, c, d) in lengths.items():
+    for slot, g, c, d in lengths:
         owner = ns.slots[slot]
         assert owner is not None
         by_instance.setdefault(owner.instance, []).append((owner.rank, g, c, d))
@@ -249,7 +146,7 @@ def _answer(
         return {}
     lengths = match(ns, prompt(ns), listed)
     if hits_only:
-        lengths = {slot: ls for slot, ls in lengths.items() if ls[2]}
+        lengths = [m for m in lengths if m[3]]
     return respond(ns, ns.key.tenant, lengths)
 
 

@@ -197,9 +197,7 @@ class SnapshotPublisher:
 
 
 def pending_version(ns: NamespaceIndex) -> int:
-    # Every change takes the next number of one process-wide sequence, so the
-    # latest of the two is new whenever either queue changed.
-    return max(ns.pending.version, ns.retired.version)
+    return ns.pending_version()
 
 
 def generation_key_for(tp: TopicPartition) -> UnitKey:

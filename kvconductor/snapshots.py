@@ -25,7 +25,6 @@ builds an `Index` from decoded units.
 from __future__ import annotations
 
 import sys
-from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,11 +33,10 @@ import msgspec
 from kvconductor.index import Index, InstanceState
 from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, Unresolved
-from kvconductor.pending import INTENT, RETIRED, UNRESOLVED, WAITING
+from kvconductor.packing import pack_u64, unpack_u64
+from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 
 SCHEMA_VERSION = 1
-
-_SWAP = sys.byteorder == "big"
 
 
 class OwnerUnit(msgspec.Struct, tag="owner", frozen=True):
@@ -136,21 +134,6 @@ def decode_unit(data: bytes) -> Unit:
     return _unit_decoder.decode(data)
 
 
-def _pack(values: Iterator[int] | list[int]) -> bytes:
-    arr = array("Q", values)
-    if _SWAP:  # pragma: no cover
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def _unpack(data: bytes) -> list[int]:
-    arr = array("Q")
-    arr.frombytes(data)
-    if _SWAP:  # pragma: no cover
-        arr.byteswap()
-    return arr.tolist()
-
-
 def ns_fields(key: NamespaceKey) -> tuple[str, str, int, str | None, str]:
     return (key.tenant, key.model, key.block_size, key.lora_name, key.salt)
 
@@ -181,45 +164,38 @@ def generation_key(name: str) -> UnitKey:
 def export_owner(index: Index, ns_key: NamespaceKey, instance: str, rank: int) -> OwnerUnit | None:
     ns = index.namespaces.get(ns_key)
     owner = ns.owners.get(instance, {}).get(rank) if ns is not None else None
-    if owner is None:
+    if ns is None or owner is None:
         return None
-    return OwnerUnit(
-        instance,
-        rank,
-        [_pack(list(t.keys())) for t in owner.tiers],
-        [_pack(list(t.values())) for t in owner.tiers],
-    )
+    tiers = [ns.store.export_owner(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
+    return OwnerUnit(instance, rank, [t[0] for t in tiers], [t[1] for t in tiers])
 
 
 def export_pool(index: Index, ns_key: NamespaceKey, backend: str, medium: str) -> PoolUnit | None:
     ns = index.namespaces.get(ns_key)
     store = ns.pools.get((backend, medium)) if ns is not None else None
-    if store is None:
+    if ns is None or store is None:
         return None
-    return PoolUnit(
-        backend,
-        medium,
-        store.tier,
-        _pack(list(store.blocks.keys())),
-        _pack(list(store.blocks.values())),
-    )
+    seqs, idents = ns.store.export_pool(store.pid)
+    return PoolUnit(backend, medium, store.tier, seqs, idents)
 
 
 def export_pending(index: Index, ns_key: NamespaceKey) -> PendingUnit | None:
     ns = index.namespaces.get(ns_key)
-    if ns is None or not (ns.pending or ns.retired):
+    if ns is None or not (ns.pending or ns.store.retired_len()):
         return None
     entries: list[PendingEntry] = []
     for key, ts in ns.pending:
         kind, seq = key[0], key[1]
         if kind == INTENT:
-            entries.append(PendingIntent(seq, ns.content[seq], ts))
+            ident = ns.store.ident(seq)
+            assert ident is not None, "a pinned intent's content is held"
+            entries.append(PendingIntent(seq, ident, ts))
         elif kind == UNRESOLVED:
             u = ns.unresolved[seq]
             entries.append(PendingUnresolved(seq, u.parent, u.block, u.extra, u.pin, ts))
         else:
             entries.append(PendingWaiting(seq, key[2], ts))
-    retired = [RetiredContent(key[1], ns.content[key[1]], ts) for key, ts in ns.retired]
+    retired = [RetiredContent(*item) for item in ns.store.retired_items()]
     return PendingUnit(ns.now, entries, retired)
 
 
@@ -244,7 +220,7 @@ def all_unit_ids(index: Index) -> Iterator[tuple[str, Any]]:
                 yield "o", (ns_key, instance, rank)
         for backend, medium in ns.pools:
             yield "p", (ns_key, backend, medium)
-        if ns.pending or ns.retired:
+        if ns.pending or ns.store.retired_len():
             yield "q", ns_key
     for instance in index.instances:
         yield "i", instance
@@ -312,14 +288,10 @@ def restore(
         pools = []
         for _, unit in ns_units:
             if isinstance(unit, OwnerUnit):
-                tiers = [
-                    (_unpack(unit.seqs[t]), _unpack(unit.idents[t])) for t in (DEVICE, HOST, DISK)
-                ]
+                tiers = [(unit.seqs[t], unit.idents[t]) for t in (DEVICE, HOST, DISK)]
                 owners.append((unit.instance, unit.rank, tiers))
             elif isinstance(unit, PoolUnit):
-                pools.append(
-                    (unit.backend, unit.medium, unit.tier, _unpack(unit.seqs), _unpack(unit.idents))
-                )
+                pools.append((unit.backend, unit.medium, unit.tier, unit.seqs, unit.idents))
             elif isinstance(unit, PendingUnit):
                 pending = unit
         ns.load(owners, pools)
@@ -354,9 +326,9 @@ def _restore_owner(ns: NamespaceIndex, unit: OwnerUnit) -> None:
     """Place one owner unit block by block (into a namespace that holds more)."""
     owner = ns.restored_owner(unit.instance, unit.rank)
     for tier in (DEVICE, HOST, DISK):
-        seqs = _unpack(unit.seqs[tier])
+        seqs = unpack_u64(unit.seqs[tier])
         if seqs:
-            ns._place_owner(owner, tier, seqs, _unpack(unit.idents[tier]))
+            ns._place_owner(owner, tier, seqs, unpack_u64(unit.idents[tier]))
     ns._retire_if_empty(owner)
 
 
@@ -376,8 +348,7 @@ def _restore_pending(ns: NamespaceIndex, unit: PendingUnit) -> None:
             if pending.add((WAITING, e.seq, target), e.ts):
                 ns.waiting.setdefault(e.seq, []).append(target)  # type: ignore[arg-type]
     for r in unit.retired:
-        if r.seq not in ns.content and ns.retired.add((RETIRED, r.seq), r.ts):
-            ns.content[r.seq] = r.ident
+        ns.store.restore_retired(r.seq, r.ident, r.ts)
 
 
 def state_fingerprint(index: Index) -> dict[UnitKey, bytes]:
@@ -396,18 +367,18 @@ def _canonical(unit: Unit) -> Unit:
         seqs: list[bytes] = []
         idents: list[bytes] = []
         for s, i in zip(unit.seqs, unit.idents, strict=True):
-            pairs = sorted(zip(_unpack(s), _unpack(i), strict=True))
-            seqs.append(_pack([p[0] for p in pairs]))
-            idents.append(_pack([p[1] for p in pairs]))
+            pairs = sorted(zip(unpack_u64(s), unpack_u64(i), strict=True))
+            seqs.append(pack_u64([p[0] for p in pairs]))
+            idents.append(pack_u64([p[1] for p in pairs]))
         return OwnerUnit(unit.instance, unit.rank, seqs, idents)
     if isinstance(unit, PoolUnit):
-        pairs = sorted(zip(_unpack(unit.seqs), _unpack(unit.idents), strict=True))
+        pairs = sorted(zip(unpack_u64(unit.seqs), unpack_u64(unit.idents), strict=True))
         return PoolUnit(
             unit.backend,
             unit.medium,
             unit.tier,
-            _pack([p[0] for p in pairs]),
-            _pack([p[1] for p in pairs]),
+            pack_u64([p[0] for p in pairs]),
+            pack_u64([p[1] for p in pairs]),
         )
     if isinstance(unit, InstanceUnit):
         return InstanceUnit(unit.instance, unit.last_seq, unit.skip_groups, unit.namespaces, 0.0)
@@ -495,23 +466,21 @@ def _apply_namespace(
         pending = next(unit for key, unit in changes if key[0] == "q")
     else:
         pending = export_pending(index, ns_key)
-    bounds = (ns.pending.max_entries, ns.retired.max_entries)
-    ns.pending.max_entries = ns.retired.max_entries = sys.maxsize
+    bounds = (ns.pending.max_entries, ns.store.retired_limit())
+    ns.pending.max_entries = sys.maxsize
+    ns.store.set_retired_limit(sys.maxsize)
     try:
         # Out with the old state.
         for key, _ in changes:
             if key[0] == "o":
                 owner = ns.owners.get(key[6], {}).get(key[7])
                 if owner is not None:
-                    for tier in (DEVICE, HOST, DISK):
-                        for seq in list(owner.tiers[tier]):
-                            ns._unplace_owner(owner, tier, seq)
+                    ns.store.clear_owner(owner.slot)
                     ns._retire_if_empty(owner)
             elif key[0] == "p":
                 store = ns.pools.get((key[6], key[7]))
                 if store is not None:
-                    for seq in list(store.blocks):
-                        ns._unplace_pool(store, seq)
+                    ns.store.clear_pool(store.pid)
                     ns._drop_pool_if_empty(store)
         _clear_pending(ns)
         # In with the new, pending last (placing pool blocks consumes intents).
@@ -520,12 +489,13 @@ def _apply_namespace(
                 _restore_owner(ns, unit)
             elif isinstance(unit, PoolUnit):
                 store = ns.restored_pool(unit.backend, unit.medium, unit.tier)
-                ns._place_pool(store, _unpack(unit.seqs), _unpack(unit.idents))
+                ns._place_pool(store, unpack_u64(unit.seqs), unpack_u64(unit.idents))
                 ns._drop_pool_if_empty(store)
         if isinstance(pending, PendingUnit):
             _restore_pending(ns, pending)
     finally:
-        ns.pending.max_entries, ns.retired.max_entries = bounds
+        ns.pending.max_entries = bounds[0]
+        ns.store.set_retired_limit(bounds[1])
     index._gc(ns)
 
 
@@ -544,8 +514,4 @@ def _clear_pending(ns: NamespaceIndex) -> None:
             targets.remove(key[2])
             if not targets:
                 del ns.waiting[seq]
-    for key, _ in ns.retired:
-        ns.retired.discard(key)
-        seq = key[1]
-        if seq not in ns.refs:
-            ns.content.pop(seq, None)
+    ns.store.clear_retired()

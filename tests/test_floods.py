@@ -278,7 +278,7 @@ def test_owner_flood_keeps_the_owner_at_its_capacity(owner_flood: OwnerFlood) ->
     ix = owner_flood.ix
     ns = ix.namespaces[KEY]
     big = ns.owners["big"][0]
-    assert big.size() == CAPACITY
+    assert ns.store.owner_size(big.slot) == CAPACITY
     assert ix.query(QUERY) == ANSWER_WITH_BIG
     first = HashQuery(model="m", block_size=BS, seq_hashes=list(range(BIG, BIG + BATCH)))
     assert ix.query(first)["default"]["big"]["GPU"] == BATCH * BS
@@ -288,7 +288,7 @@ def test_owner_flood_keeps_the_owner_at_its_capacity(owner_flood: OwnerFlood) ->
         owner_flood.seconds,
         owner_flood.before,
         owner_flood.after,
-        owner_blocks=big.size(),
+        owner_blocks=ns.store.owner_size(big.slot),
         owner_capacity_dropped=ix.counters["owner_capacity_dropped"],
         pending=len(ns.pending),
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 import pickle
 import random
@@ -42,13 +43,14 @@ from consumers.engine_wire import (
     decode_engine_payload,
 )
 from consumers.pool_wire import decode_pool_payload
+from kvconductor.block_store import PyBlockStore
 from kvconductor.core import Conductor
 from kvconductor.errors import BadRecord, DecodeError, RejectedEvent
 from kvconductor.events import BlockRemoved, BlockStored, PoolEvent
 from kvconductor.index import Index, IndexLimits
 from kvconductor.media import DEVICE, DISK, HOST, pool_tier
 from kvconductor.namespace_index import NamespaceIndex
-from kvconductor.pending import INTENT, RETIRED, UNRESOLVED, WAITING
+from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 from kvconductor.query_wire import HashQuery, TokenQuery
 from tests import harness
 from tests.harness import engine_headers, pool_payload, removed, vllm_payload
@@ -482,9 +484,28 @@ def stream(items: list[int | Record]) -> list[Record]:
 def state(index: Index) -> bytes:
     """Everything a record can change, except the clock
     (test_a_rejected_record_does_not_age_out_pending_halves)."""
-    return pickle.dumps(
+    out = io.BytesIO()
+    _StatePickler(out).dump(
         (index.namespaces, index.instances, index.idle, index.counters, index.applied, index.dirty)
     )
+    return out.getvalue()
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles a block store (compiled or not) as its contents, in order."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, PyBlockStore) or type(obj).__name__ == "BlockStore":
+            return list, (_canonical(obj.dump()),)
+        return NotImplemented
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        return sorted((k, _canonical(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def outcome(conductor: Conductor, rec: Record) -> str:
@@ -519,23 +540,25 @@ def check_consistent(index: Index) -> None:
     assert len(index.instances) <= lim.max_instances
     for key, ns in index.namespaces.items():
         assert ns.key == key and not ns.is_empty(), f"empty namespace kept: {key}"
-        _check_pending(ns, lim)
-        holders = _check_owners(ns, lim)
-        holders += _check_pools(ns)
+        dump = ns.store.dump()
+        content: dict[int, int] = dump["content"]  # type: ignore[assignment]
+        refs: dict[int, int] = dump["refs"]  # type: ignore[assignment]
+        _check_pending(ns, lim, content)
+        holders = _check_owners(ns, lim, dump)
+        holders += _check_pools(ns, dump)
         for k, _ in ns.pending:
             if k[0] == INTENT:
                 holders[k[1]] += 1
-        assert dict(holders) == ns.refs, f"reference counts drifted in {key}"
+        assert dict(holders) == refs, f"reference counts drifted in {key}"
         # Content that nobody holds is retired, and only that.
-        retired = {k[1] for k, _ in ns.retired}
-        assert all(k[0] == RETIRED for k, _ in ns.retired)
-        assert not retired & set(ns.refs), key
-        assert set(ns.content) == set(ns.refs) | retired, f"content leaked in {key}"
+        retired = {seq for seq, _ in dump["retired"]}  # type: ignore[attr-defined]
+        assert not retired & set(refs), key
+        assert set(content) == set(refs) | retired, f"content leaked in {key}"
 
 
-def _check_pending(ns: NamespaceIndex, lim: IndexLimits) -> None:
+def _check_pending(ns: NamespaceIndex, lim: IndexLimits, content: dict[int, int]) -> None:
     assert len(ns.pending) <= lim.max_pending, ns.key
-    assert len(ns.retired) <= lim.max_retired_content, ns.key
+    assert ns.store.retired_len() <= lim.max_retired_content, ns.key
     keys = [k for k, _ in ns.pending]
     kinds = Counter(k[0] for k in keys)
     assert all(ns.pending.by_kind[k] == kinds[k] for k in (WAITING, UNRESOLVED, INTENT))
@@ -543,15 +566,15 @@ def _check_pending(ns: NamespaceIndex, lim: IndexLimits) -> None:
     assert waits == {(s, t) for s, ts in ns.waiting.items() for t in ts}, ns.key
     assert all(ts and len(set(ts)) == len(ts) for ts in ns.waiting.values()), ns.key
     assert {k[1] for k in keys if k[0] == UNRESOLVED} == set(ns.unresolved), ns.key
-    assert all(k[1] in ns.content for k in keys if k[0] == INTENT), ns.key
+    assert all(k[1] in content for k in keys if k[0] == INTENT), ns.key
     links = {(p, k) for p, kids in ns.children.items() for k in kids}
     assert all(ns.children.values()), ns.key
     assert links == {(u.parent, k) for k, u in ns.unresolved.items()}, ns.key
-    assert not set(ns.waiting) & set(ns.content), "a placement waits for known content"
-    assert not set(ns.unresolved) & set(ns.content), "known content is still unresolved"
+    assert not set(ns.waiting) & set(content), "a placement waits for known content"
+    assert not set(ns.unresolved) & set(content), "known content is still unresolved"
 
 
-def _check_owners(ns: NamespaceIndex, lim: IndexLimits) -> Counter[int]:
+def _check_owners(ns: NamespaceIndex, lim: IndexLimits, dump: dict[str, Any]) -> Counter[int]:
     holders: Counter[int] = Counter()
     masks: tuple[dict[int, int], ...] = ({}, {}, {})
     all_bits = 0
@@ -561,35 +584,49 @@ def _check_owners(ns: NamespaceIndex, lim: IndexLimits) -> Counter[int]:
             assert (owner.instance, owner.rank) == (instance, rank)
             assert ns.slots[owner.slot] is owner
             # Contract 4: a rank is listed only while it holds a block.
-            assert 0 < owner.size() <= lim.max_blocks_per_owner, (ns.key, instance, rank)
+            size = ns.store.owner_size(owner.slot)
+            assert 0 < size <= lim.max_blocks_per_owner, (ns.key, instance, rank)
             all_bits |= owner.bit
+            tiers, dups = dump["owners"][owner.slot]
             for tier in (DEVICE, HOST, DISK):
-                blocks = owner.tiers[tier]
+                blocks = tiers[tier]
                 for seq, ident in blocks.items():
-                    assert ns.content[seq] == ident
+                    assert dump["content"][seq] == ident
                     holders[seq] += 1
                 for ident, n in Counter(blocks.values()).items():
                     masks[tier][ident] = masks[tier].get(ident, 0) | owner.bit
-                    assert owner.dups.get((tier, ident), 0) == n - 1
+                    assert dups.get((tier, ident), 0) == n - 1
     assert all_bits == ns.all_bits, ns.key
-    assert masks == ns.masks, f"tier bitmasks drifted in {ns.key}"
+    assert set(dump["owners"]) == {o.slot for r in ns.owners.values() for o in r.values()}
+    assert list(masks) == dump["masks"], f"tier bitmasks drifted in {ns.key}"
     return holders
 
 
-def _check_pools(ns: NamespaceIndex) -> Counter[int]:
+def _check_pools(ns: NamespaceIndex, dump: dict[str, Any]) -> Counter[int]:
     holders: Counter[int] = Counter()
     counts: tuple[Counter[int], ...] = (Counter(), Counter(), Counter())
+    assert set(dump["pools"]) == {p.pid for p in ns.pools.values()}
     for (backend, medium), store in ns.pools.items():
-        assert store.blocks and (store.backend, store.medium) == (backend, medium), ns.key
-        assert store.tier == pool_tier(medium)
-        for seq, ident in store.blocks.items():
-            assert ns.content[seq] == ident
+        tier, blocks = dump["pools"][store.pid]
+        assert blocks and (store.backend, store.medium) == (backend, medium), ns.key
+        assert store.tier == tier == pool_tier(medium)
+        for seq, ident in blocks.items():
+            assert dump["content"][seq] == ident
             holders[seq] += 1
             counts[store.tier][ident] += 1
-    assert not ns.pool_counts[DEVICE]
+    assert not dump["pool_counts"][DEVICE]
     for tier in (HOST, DISK):
-        assert dict(counts[tier]) == ns.pool_counts[tier], ns.key
+        assert dict(counts[tier]) == dump["pool_counts"][tier], ns.key
     return holders
+
+
+def _known_hashes(ns: NamespaceIndex) -> list[int]:
+    content: dict[int, int] = ns.store.dump()["content"]  # type: ignore[assignment]
+    return list(content)[:8]
+
+
+def _drained(ns: NamespaceIndex) -> bool:
+    return not ns.pending and not ns.store.retired_len()
 
 
 def probe_queries(index: Index) -> None:
@@ -597,7 +634,7 @@ def probe_queries(index: Index) -> None:
     for key, ns in index.namespaces.items():
         for q in (
             TokenQuery(key.model, key.block_size, [0, 1] * 8, key.lora_name, key.tenant),
-            HashQuery(key.model, key.block_size, list(ns.content)[:8], key.lora_name, key.tenant),
+            HashQuery(key.model, key.block_size, _known_hashes(ns), key.lora_name, key.tenant),
         ):
             for instance in index.query(q).get(key.tenant, {}).values():
                 assert 0 <= instance["GPU"] <= instance["CPU"] <= instance["DISK"]  # type: ignore[operator]
@@ -790,7 +827,7 @@ def run_stream(limits: IndexLimits, items: list[int | Record]) -> None:
     for later in (1e16, 2e16):
         conductor.expire(max(r.now for r in recs) + later)
         check_consistent(conductor.index)
-    assert all(not ns.pending and not ns.retired for ns in conductor.index.namespaces.values())
+    assert all(_drained(ns) for ns in conductor.index.namespaces.values())
 
 
 @pytest.mark.parametrize("limits", FUZZ_LIMITS)
@@ -844,7 +881,7 @@ def test_parent_cycles_terminate_join_and_age_out(events: list[Any], offload: st
     for later in (1e6, 2e6):
         conductor.expire(later)
         check_consistent(conductor.index)
-    assert all(not ns.pending and not ns.retired for ns in conductor.index.namespaces.values())
+    assert all(_drained(ns) for ns in conductor.index.namespaces.values())
 
 
 def test_a_deep_chain_delivered_child_first_resolves_without_recursion() -> None:
@@ -871,7 +908,7 @@ def test_one_hash_repeated_a_thousand_times_is_one_block() -> None:
         assert ingest(conductor, engine_record(b"i0", [ev])) == "applied"
         check_consistent(conductor.index)
     (ns,) = conductor.index.namespaces.values()
-    assert ns.owners["i0"][0].size() == 1 and len(ns.waiting[B]) == 1
+    assert ns.store.owner_size(ns.owners["i0"][0].slot) == 1 and len(ns.waiting[B]) == 1
     # A tier holds a set: one removal removes it.
     assert ingest(conductor, engine_record(b"i0", [removed([A])])) == "applied"
     assert "i0" not in ns.owners
@@ -905,11 +942,13 @@ def sizes(index: Index) -> Counter[str]:
         owners = [o for ranks in ns.owners.values() for o in ranks.values()]
         here = {
             "pending": len(ns.pending),
-            "retired": len(ns.retired),
+            "retired": ns.store.retired_len(),
             "owners": len(owners),
-            "owner_blocks": max((o.size() for o in owners), default=0),
-            "pool_store_blocks": max((len(p.blocks) for p in ns.pools.values()), default=0),
-            "content": len(ns.content),
+            "owner_blocks": max((ns.store.owner_size(o.slot) for o in owners), default=0),
+            "pool_store_blocks": max(
+                (ns.store.pool_len(p.pid) for p in ns.pools.values()), default=0
+            ),
+            "content": ns.store.content_len(),
         }
         for name, n in here.items():
             out[name] = max(out[name], n)
@@ -1005,7 +1044,7 @@ def test_a_pool_store_holds_at_most_max_blocks_per_owner() -> None:
         ev = {"event_type": "stored", "seq_hashes": hashes, "token_ids": tokens}
         assert outcome(conductor, pool_record(b"p0", [ev])) == "applied"
     (ns,) = conductor.index.namespaces.values()
-    assert len(ns.pools[("p0", "cpu")].blocks) <= limits.max_blocks_per_owner
+    assert ns.store.pool_len(ns.pools[("p0", "cpu")].pid) <= limits.max_blocks_per_owner
 
 
 def test_pool_backends_per_namespace_are_bounded() -> None:

@@ -90,29 +90,25 @@ def structure(index: Index) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for key, ns in index.namespaces.items():
         slots = {o.slot: (o.instance, o.rank) for r in ns.owners.values() for o in r.values()}
+        dump: dict[str, Any] = ns.store.dump()
         masks = [
             {
                 ident: sorted(slots[s] for s in range(m.bit_length()) if m >> s & 1)
                 for ident, m in tier.items()
             }
-            for tier in ns.masks
+            for tier in dump["masks"]
         ]
         out[key] = {
-            "content": dict(ns.content),
-            "refs": dict(ns.refs),
+            "content": dump["content"],
+            "refs": dump["refs"],
             "masks": masks,
-            "pool_counts": [dict(t) for t in ns.pool_counts],
+            "pool_counts": dump["pool_counts"],
             "waiting": {s: sorted(t) for s, t in ns.waiting.items()},
             "unresolved": dict(ns.unresolved),
             "children": {s: sorted(c) for s, c in ns.children.items()},
-            "dups": {
-                (o.instance, o.rank): dict(o.dups)
-                for r in ns.owners.values()
-                for o in r.values()
-                if o.dups
-            },
+            "dups": {slots[slot]: dups for slot, (_, dups) in dump["owners"].items() if dups},
             "pending": sorted(k for k, _ in ns.pending),
-            "retired": sorted(k for k, _ in ns.retired),
+            "retired": sorted(seq for seq, _ in dump["retired"]),
         }
     instances = {
         name: (dict(s.last_seq), sorted(s.skip_groups), sorted(s.namespaces, key=repr))

@@ -1,0 +1,1059 @@
+//! `BlockStore`: a namespace's per-block state, compiled. Its semantics are
+//! `kvconductor/block_store.py`'s `PyBlockStore`, call for call
+//! (tests/test_block_store.py drives both and compares them).
+//!
+//! The layout is for memory (issue #5: at most 100 bytes per (block, owner)):
+//! - the catalog maps a sequence hash to its identity, holder count and
+//!   retired-queue stamp (24 bytes a bucket); owner tiers and pool stores
+//!   hold bare sequence hashes and read identities from here, which never
+//!   change while a block is held;
+//! - owner masks are split into 64-slot words, one map per word and tier,
+//!   so an identity costs 16 bytes per word in which it has owners;
+//! - retired entries (held by nobody, kept for late halves) queue in a FIFO
+//!   with lazy deletion: a record is live while its catalog entry is unheld
+//!   and still carries the record's stamp.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hashbrown::hash_map::Entry;
+use hashbrown::{HashMap, HashSet};
+use pyo3::exceptions::{PyAssertionError, PyIndexError, PyKeyError, PyOverflowError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+const DEVICE: usize = 0;
+const HOST: usize = 1;
+const DISK: usize = 2;
+const TIERS: usize = 3;
+/// Owner slots are bits of the masks; a bound keeps a wrong slot from
+/// allocating words for millions of them.
+const MAX_SLOTS: usize = 1 << 20;
+
+/// One process-wide sequence, so that a namespace dropped and created again
+/// never repeats a version a snapshot already published.
+static CHANGES: AtomicU64 = AtomicU64::new(0);
+
+fn next_version() -> u64 {
+    CHANGES.fetch_add(1, Ordering::Relaxed) + 1
+}
+
+// ------------------------------------------------------------------ catalog
+
+struct Block {
+    ident: u64,
+    /// Holders; 0: retired (queued).
+    refs: u32,
+    /// The stamp of the block's live retired record, when retired. Stamps
+    /// wrap at 2^32; a stale record could only be mistaken for a live one
+    /// after 2^32 newer records, more than the queue can hold (compaction
+    /// keeps it below twice its live records).
+    stamp: u32,
+}
+
+struct Record {
+    seq: u64,
+    ts: f64,
+    stamp: u32,
+}
+
+/// Sequence hash -> content, with the retired entries' FIFO: `PendingQueue`
+/// semantics (append unless present, evict the oldest beyond the count
+/// bound, expire from the head by age).
+struct Catalog {
+    map: HashMap<u64, Block>,
+    queue: VecDeque<Record>,
+    live: usize,
+    next_stamp: u32,
+    max_entries: usize,
+    max_age_s: f64,
+    version: u64,
+    now: f64,
+}
+
+impl Catalog {
+    fn new(max_entries: usize, max_age_s: f64) -> Self {
+        Catalog {
+            map: HashMap::new(),
+            queue: VecDeque::new(),
+            live: 0,
+            next_stamp: 0,
+            max_entries,
+            max_age_s,
+            version: 0,
+            now: 0.0,
+        }
+    }
+
+    fn is_live(map: &HashMap<u64, Block>, r: &Record) -> bool {
+        matches!(map.get(&r.seq), Some(b) if b.refs == 0 && b.stamp == r.stamp)
+    }
+
+    fn ident(&self, seq: u64) -> Option<u64> {
+        self.map.get(&seq).map(|b| b.ident)
+    }
+
+    /// The identity of a block some tier holds (always in the catalog).
+    fn held_ident(&self, seq: u64) -> u64 {
+        self.ident(seq).unwrap_or_default()
+    }
+
+    /// A reference on `seq`'s content; its canonical identity.
+    fn acquire(&mut self, seq: u64, ident: u64) -> u64 {
+        let (canon, revived) = match self.map.entry(seq) {
+            Entry::Vacant(v) => {
+                v.insert(Block { ident, refs: 1, stamp: 0 });
+                (ident, false)
+            }
+            Entry::Occupied(mut o) => {
+                let b = o.get_mut();
+                let revived = b.refs == 0;
+                b.refs += 1;
+                (b.ident, revived)
+            }
+        };
+        if revived {
+            self.unqueued();
+        }
+        canon
+    }
+
+    /// Drops a reference; returns the identity (the entry may be gone when
+    /// the retired bound evicted it at once).
+    fn release(&mut self, seq: u64) -> PyResult<u64> {
+        let stamp = self.next_stamp;
+        let b = match self.map.get_mut(&seq) {
+            Some(b) if b.refs > 0 => b,
+            _ => return Err(PyKeyError::new_err(seq)),
+        };
+        b.refs -= 1;
+        let ident = b.ident;
+        if b.refs == 0 {
+            b.stamp = stamp;
+            let now = self.now;
+            self.enqueue(seq, now);
+        }
+        Ok(ident)
+    }
+
+    /// Known content nobody holds, retired at `ts`, unless the catalog has it.
+    fn retire_new(&mut self, seq: u64, ident: u64, ts: f64) {
+        if let Entry::Vacant(v) = self.map.entry(seq) {
+            v.insert(Block { ident, refs: 0, stamp: self.next_stamp });
+            self.enqueue(seq, ts);
+        }
+    }
+
+    /// Queues the block just retired with stamp `next_stamp`.
+    fn enqueue(&mut self, seq: u64, ts: f64) {
+        let stamp = self.next_stamp;
+        self.next_stamp = stamp.wrapping_add(1);
+        self.queue.push_back(Record { seq, ts, stamp });
+        self.live += 1;
+        self.version = next_version();
+        while self.live > self.max_entries && self.drop_head() {}
+    }
+
+    /// A retired block was taken back: its record goes stale.
+    fn unqueued(&mut self) {
+        self.live -= 1;
+        self.version = next_version();
+        if self.queue.len() > 2 * self.live + 64 {
+            let map = &self.map;
+            self.queue.retain(|r| Catalog::is_live(map, r));
+        }
+    }
+
+    /// The oldest live record's retirement time, past stale ones.
+    fn head_ts(&mut self) -> Option<f64> {
+        while let Some(r) = self.queue.front() {
+            if Catalog::is_live(&self.map, r) {
+                return Some(r.ts);
+            }
+            self.queue.pop_front();
+        }
+        None
+    }
+
+    /// Forgets the oldest live retired entry; false when there is none.
+    fn drop_head(&mut self) -> bool {
+        if self.head_ts().is_none() {
+            return false;
+        }
+        if let Some(r) = self.queue.pop_front() {
+            self.map.remove(&r.seq);
+            self.live -= 1;
+            self.version = next_version();
+        }
+        true
+    }
+
+    fn expire(&mut self, now: f64) {
+        let cutoff = now - self.max_age_s;
+        while let Some(ts) = self.head_ts() {
+            // Not `ts < cutoff`: a NaN clock expires, as in `PendingQueue`.
+            if ts >= cutoff {
+                return;
+            }
+            self.drop_head();
+        }
+    }
+
+    fn retired(&self) -> impl Iterator<Item = (u64, u64, f64)> + '_ {
+        self.queue
+            .iter()
+            .filter(|r| Catalog::is_live(&self.map, r))
+            .map(|r| (r.seq, self.held_ident(r.seq), r.ts))
+    }
+
+    fn clear_retired(&mut self) {
+        for r in std::mem::take(&mut self.queue) {
+            if Catalog::is_live(&self.map, &r) {
+                self.map.remove(&r.seq);
+            }
+        }
+        if self.live > 0 {
+            self.live = 0;
+            self.version = next_version();
+        }
+    }
+}
+
+// ------------------------------------------------------------------ holders
+
+/// An owner tier or a pool store: the sequence hashes it holds and the
+/// query map it keeps counted.
+trait Holder {
+    fn set(&mut self) -> &mut HashSet<u64>;
+    fn count(&mut self, seq: u64, ident: u64) -> PyResult<()>;
+    fn uncount(&mut self, ident: u64);
+    /// Room for `n` more blocks.
+    fn reserve(&mut self, n: usize);
+}
+
+struct OwnerTier<'a> {
+    set: &'a mut HashSet<u64>,
+    /// The tier's masks for the owner's 64-slot word.
+    masks: &'a mut HashMap<u64, u64>,
+    /// (tier, identity) -> holders beyond the first.
+    dups: &'a mut HashMap<(u8, u64), u32>,
+    tier: u8,
+    bit: u64,
+}
+
+impl Holder for OwnerTier<'_> {
+    fn set(&mut self) -> &mut HashSet<u64> {
+        self.set
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.set.reserve(n);
+        self.masks.reserve(n);
+    }
+
+    fn count(&mut self, _: u64, ident: u64) -> PyResult<()> {
+        let m = self.masks.entry(ident).or_insert(0);
+        if *m & self.bit != 0 {
+            *self.dups.entry((self.tier, ident)).or_insert(0) += 1;
+        } else {
+            *m |= self.bit;
+        }
+        Ok(())
+    }
+
+    fn uncount(&mut self, ident: u64) {
+        if let Entry::Occupied(mut o) = self.dups.entry((self.tier, ident)) {
+            if *o.get() == 1 {
+                o.remove();
+            } else {
+                *o.get_mut() -= 1;
+            }
+        } else if let Entry::Occupied(mut o) = self.masks.entry(ident) {
+            *o.get_mut() &= !self.bit;
+            if *o.get() == 0 {
+                o.remove();
+            }
+        }
+    }
+}
+
+struct PoolBlocks<'a, 'py> {
+    set: &'a mut HashSet<u64>,
+    counts: &'a mut HashMap<u64, u32>,
+    /// Where newly held hashes are reported.
+    placed_out: Option<&'a Bound<'py, PyList>>,
+}
+
+impl Holder for PoolBlocks<'_, '_> {
+    fn set(&mut self) -> &mut HashSet<u64> {
+        self.set
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.set.reserve(n);
+        self.counts.reserve(n);
+    }
+
+    fn count(&mut self, seq: u64, ident: u64) -> PyResult<()> {
+        *self.counts.entry(ident).or_insert(0) += 1;
+        if let Some(out) = self.placed_out {
+            out.append(seq)?;
+        }
+        Ok(())
+    }
+
+    fn uncount(&mut self, ident: u64) {
+        if let Entry::Occupied(mut o) = self.counts.entry(ident) {
+            if *o.get() == 1 {
+                o.remove();
+            } else {
+                *o.get_mut() -= 1;
+            }
+        }
+    }
+}
+
+/// (placed, dropped at capacity, hash conflicts, hashes left to wait)
+type Placed = (usize, usize, usize, Vec<u64>);
+
+/// `PyBlockStore._place_*`: with `idents` every block's content is given;
+/// without, unknown blocks are left to wait and known ones placed.
+fn place(
+    cat: &mut Catalog,
+    h: &mut impl Holder,
+    seqs: &[u64],
+    idents: Option<&[u64]>,
+    room: i64,
+) -> PyResult<Placed> {
+    let (mut placed, mut dropped, mut conflicts) = (0usize, 0usize, 0usize);
+    let mut waits = Vec::new();
+    for (k, &seq) in seqs.iter().enumerate() {
+        if idents.is_none() && !cat.map.contains_key(&seq) {
+            waits.push(seq);
+            continue;
+        }
+        if !h.set().insert(seq) {
+            continue;
+        }
+        if placed as i64 >= room {
+            h.set().remove(&seq);
+            // What is left is dropped, or waits when its content is unknown.
+            for &rest in &seqs[k..] {
+                if idents.is_some() || cat.map.contains_key(&rest) {
+                    dropped += 1;
+                } else {
+                    waits.push(rest);
+                }
+            }
+            break;
+        }
+        let ident = match idents {
+            Some(given) => {
+                let Some(&given) = given.get(k) else {
+                    h.set().remove(&seq);
+                    return Err(PyIndexError::new_err("fewer identities than hashes"));
+                };
+                let ident = cat.acquire(seq, given);
+                if ident != given {
+                    conflicts += 1;
+                }
+                ident
+            }
+            // Known: the catalog's identity.
+            None => cat.acquire(seq, 0),
+        };
+        h.count(seq, ident)?;
+        placed += 1;
+    }
+    Ok((placed, dropped, conflicts, waits))
+}
+
+fn unplace(cat: &mut Catalog, h: &mut impl Holder, seq: u64) -> PyResult<bool> {
+    if !h.set().remove(&seq) {
+        return Ok(false);
+    }
+    let ident = cat.release(seq)?;
+    h.uncount(ident);
+    Ok(true)
+}
+
+/// Takes every block out, in ascending hash order (the retired queue's
+/// order must not depend on hash-set iteration).
+fn clear(cat: &mut Catalog, h: &mut impl Holder) -> PyResult<usize> {
+    let mut seqs: Vec<u64> = h.set().iter().copied().collect();
+    seqs.sort_unstable();
+    for &seq in &seqs {
+        unplace(cat, h, seq)?;
+    }
+    Ok(seqs.len())
+}
+
+/// A bulk load: placing block by block into an empty holder, unbounded.
+fn load(
+    cat: &mut Catalog,
+    h: &mut impl Holder,
+    empty: bool,
+    seqs: &[u8],
+    idents: &[u8],
+    what: &str,
+) -> PyResult<()> {
+    let (s, i) = (unpack(seqs)?, unpack(idents)?);
+    if s.len() != i.len() {
+        return Err(PyValueError::new_err(format!(
+            "a {what}'s hashes and identities differ in count"
+        )));
+    }
+    if !empty {
+        return Err(PyAssertionError::new_err(format!("load is for an empty {what}")));
+    }
+    // Grown once, not by doubling through the load.
+    cat.map.reserve(s.len());
+    h.reserve(s.len());
+    place(cat, h, &s, Some(&i), i64::MAX)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- python io
+
+/// A sequence of ints as u64 (lists without the iterator protocol).
+fn u64s(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(item.extract()?);
+        }
+        return Ok(out);
+    }
+    obj.try_iter()?.map(|item| item?.extract()).collect()
+}
+
+/// A capacity left, as i64 (any Python int: beyond i64 it saturates).
+fn room_of(room: &Bound<'_, PyAny>) -> PyResult<i64> {
+    match room.extract::<i64>() {
+        Err(e) if e.is_instance_of::<PyOverflowError>(room.py()) => {
+            Ok(if room.gt(0)? { i64::MAX } else { i64::MIN })
+        }
+        other => other,
+    }
+}
+
+fn unpack(data: &[u8]) -> PyResult<Vec<u64>> {
+    if !data.len().is_multiple_of(8) {
+        return Err(PyValueError::new_err("bytes length not a multiple of item size"));
+    }
+    Ok(data.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())).collect())
+}
+
+fn pack<'py>(py: Python<'py>, values: impl ExactSizeIterator<Item = u64>) -> Bound<'py, PyBytes> {
+    let mut buf = Vec::with_capacity(values.len() * 8);
+    for v in values {
+        buf.extend_from_slice(&v.to_le_bytes());
+    }
+    PyBytes::new(py, &buf)
+}
+
+/// A Python int as 64-bit words, least significant first.
+fn int_words(v: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(w) = v.extract::<u64>() {
+        return Ok(vec![w]);
+    }
+    let bits: usize = v.call_method0("bit_length")?.extract()?;
+    let n = bits.div_ceil(64) * 8;
+    let raw = v.call_method1("to_bytes", (n, "little"))?;
+    unpack(raw.cast::<PyBytes>()?.as_bytes())
+}
+
+fn words_int<'py>(py: Python<'py>, words: &[u64]) -> PyResult<Bound<'py, PyAny>> {
+    match words.iter().rposition(|w| *w != 0) {
+        None => Ok(0u64.into_pyobject(py)?.into_any()),
+        Some(0) => Ok(words[0].into_pyobject(py)?.into_any()),
+        Some(top) => {
+            let raw = pack(py, words[..=top].iter().copied());
+            py.get_type::<PyInt>().call_method1("from_bytes", (raw, "little"))
+        }
+    }
+}
+
+fn tier_ix(tier: usize) -> PyResult<usize> {
+    if tier < TIERS {
+        Ok(tier)
+    } else {
+        Err(PyIndexError::new_err("tier index out of range"))
+    }
+}
+
+// -------------------------------------------------------------------- query
+
+/// The prompt's identities, computed as far as a walk reads them and kept
+/// for the walks of the next mask words.
+struct Prompt<'a, 'py> {
+    source: Source<'a, 'py>,
+    idents: Vec<u64>,
+    len: usize,
+}
+
+enum Source<'a, 'py> {
+    /// Little-endian u32 tokens, `step` bytes a block, chained from `ident`.
+    Tokens {
+        data: &'a [u8],
+        step: usize,
+        ident: u64,
+    },
+    List(&'a Bound<'py, PyList>),
+    /// Everything extracted up front (`idents` is full).
+    Given,
+}
+
+impl Prompt<'_, '_> {
+    fn get(&mut self, i: usize) -> PyResult<Option<u64>> {
+        if let Some(&id) = self.idents.get(i) {
+            return Ok(Some(id));
+        }
+        if i >= self.len {
+            return Ok(None);
+        }
+        let id = match &mut self.source {
+            Source::Tokens { data, step, ident } => {
+                *ident = xxh3_64_with_seed(&data[i * *step..(i + 1) * *step], *ident);
+                *ident
+            }
+            Source::List(list) => list.get_item(i)?.extract()?,
+            Source::Given => return Ok(None),
+        };
+        self.idents.push(id);
+        Ok(Some(id))
+    }
+}
+
+/// The blocks each of a word's slots matched, per tier (GPU, CPU, DISK).
+type Ends = [[u32; 64]; 3];
+
+fn ended(mut bits: u64, at: usize, into: &mut [u32; 64]) {
+    while bits != 0 {
+        into[bits.trailing_zeros() as usize] = at as u32;
+        bits &= bits - 1;
+    }
+}
+
+fn probe(m: Option<&HashMap<u64, u64>>, id: u64) -> u64 {
+    m.and_then(|m| m.get(&id)).copied().unwrap_or(0)
+}
+
+fn pooled(m: Option<&HashMap<u64, u32>>, id: u64) -> bool {
+    m.is_some_and(|m| m.contains_key(&id))
+}
+
+// -------------------------------------------------------------------- store
+
+struct Owner {
+    tiers: [HashSet<u64>; TIERS],
+    dups: HashMap<(u8, u64), u32>,
+}
+
+struct Pool {
+    tier: usize,
+    blocks: HashSet<u64>,
+}
+
+/// `kvconductor.block_store.PyBlockStore`, compiled.
+#[pyclass(module = "kvconductor._kernel")]
+pub struct BlockStore {
+    cat: Catalog,
+    /// Per tier, per 64-slot word: identity -> the word's owner bits.
+    masks: [Vec<HashMap<u64, u64>>; TIERS],
+    pool_counts: [HashMap<u64, u32>; TIERS],
+    owners: HashMap<usize, Owner>,
+    pools: HashMap<i64, Pool>,
+}
+
+fn no_owner(slot: usize) -> PyErr {
+    PyKeyError::new_err(slot)
+}
+
+fn no_pool(pid: i64) -> PyErr {
+    PyKeyError::new_err(pid)
+}
+
+impl BlockStore {
+    fn owner(&self, slot: usize) -> PyResult<&Owner> {
+        self.owners.get(&slot).ok_or_else(|| no_owner(slot))
+    }
+
+    fn pool(&self, pid: i64) -> PyResult<&Pool> {
+        self.pools.get(&pid).ok_or_else(|| no_pool(pid))
+    }
+
+    /// The catalog and an owner's tier as a `Holder`.
+    fn owner_tier(&mut self, slot: usize, tier: usize) -> PyResult<(&mut Catalog, OwnerTier<'_>)> {
+        let tier = tier_ix(tier)?;
+        let owner = self.owners.get_mut(&slot).ok_or_else(|| no_owner(slot))?;
+        let h = OwnerTier {
+            set: &mut owner.tiers[tier],
+            masks: &mut self.masks[tier][slot >> 6],
+            dups: &mut owner.dups,
+            tier: tier as u8,
+            bit: 1u64 << (slot & 63),
+        };
+        Ok((&mut self.cat, h))
+    }
+
+    fn pool_blocks<'s, 'py>(
+        &'s mut self,
+        pid: i64,
+        placed_out: Option<&'s Bound<'py, PyList>>,
+    ) -> PyResult<(&'s mut Catalog, PoolBlocks<'s, 'py>)> {
+        let pool = self.pools.get_mut(&pid).ok_or_else(|| no_pool(pid))?;
+        let h = PoolBlocks {
+            set: &mut pool.blocks,
+            counts: &mut self.pool_counts[pool.tier],
+            placed_out,
+        };
+        Ok((&mut self.cat, h))
+    }
+
+    fn export<'py>(
+        &self,
+        py: Python<'py>,
+        held: &HashSet<u64>,
+    ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+        let seqs = pack(py, held.iter().copied());
+        let idents = pack(py, held.iter().map(|&s| self.cat.held_ident(s)));
+        (seqs, idents)
+    }
+
+    /// The walk of `PyBlockStore._match`, one 64-slot word at a time (the
+    /// words are independent; the prompt's identities are computed once).
+    fn matched(
+        &self,
+        prompt: &mut Prompt<'_, '_>,
+        listed: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
+        let device_only = self.masks[HOST].iter().all(HashMap::is_empty)
+            && self.masks[DISK].iter().all(HashMap::is_empty)
+            && self.pool_counts[HOST].is_empty()
+            && self.pool_counts[DISK].is_empty();
+        let mut out = Vec::new();
+        for (w, &l) in int_words(listed)?.iter().enumerate() {
+            if l == 0 {
+                continue;
+            }
+            let ends = if device_only {
+                self.walk_device(prompt, w, l)?
+            } else {
+                self.walk_tiers(prompt, w, l)?
+            };
+            let mut bits = l;
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                out.push((w * 64 + b, ends[0][b], ends[1][b], ends[2][b]));
+                bits &= bits - 1;
+            }
+        }
+        Ok(out)
+    }
+
+    fn word_masks(&self, tier: usize, w: usize) -> Option<&HashMap<u64, u64>> {
+        self.masks[tier].get(w).filter(|m| !m.is_empty())
+    }
+
+    /// Only device tiers hold anything: CPU and DISK equal GPU.
+    fn walk_device(&self, prompt: &mut Prompt<'_, '_>, w: usize, listed: u64) -> PyResult<Ends> {
+        let dev = self.word_masks(DEVICE, w);
+        let mut ends: Ends = [[0; 64]; 3];
+        let mut g = listed;
+        let mut i = 0;
+        while let Some(id) = prompt.get(i)? {
+            let ng = g & probe(dev, id);
+            if ng != g {
+                ended(g ^ ng, i, &mut ends[0]);
+                g = ng;
+                if g == 0 {
+                    break;
+                }
+            }
+            i += 1;
+        }
+        ended(g, i, &mut ends[0]);
+        ends[1] = ends[0];
+        ends[2] = ends[0];
+        Ok(ends)
+    }
+
+    /// The still-matching owners of each tier as bits (g ⊆ c ⊆ d); each
+    /// probe is a likely cache miss, so only the ones that can change an
+    /// outcome are made: lower tiers only for owners off the device prefix,
+    /// pools only where the owner maps leave some owner unserved.
+    fn walk_tiers(&self, prompt: &mut Prompt<'_, '_>, w: usize, listed: u64) -> PyResult<Ends> {
+        let (dev, host, disk) =
+            (self.word_masks(DEVICE, w), self.word_masks(HOST, w), self.word_masks(DISK, w));
+        let pool_host = Some(&self.pool_counts[HOST]).filter(|m| !m.is_empty());
+        let pool_disk = Some(&self.pool_counts[DISK]).filter(|m| !m.is_empty());
+        let mut ends: Ends = [[0; 64]; 3];
+        let (mut g, mut c, mut d) = (listed, listed, listed);
+        let mut i = 0;
+        while let Some(id) = prompt.get(i)? {
+            let ng = if g != 0 { g & probe(dev, id) } else { 0 };
+            // Owners that need a lower tier for this block.
+            let need = d & !ng;
+            let (nc, nd) = if need == 0 {
+                (c, d)
+            } else {
+                let h = probe(host, id);
+                if need & !h == 0 || pooled(pool_host, id) {
+                    (c, d)
+                } else {
+                    let k = h | probe(disk, id);
+                    let nd = if need & !k == 0 || pooled(pool_disk, id) { d } else { ng | (d & k) };
+                    (ng | (c & h), nd)
+                }
+            };
+            if ng != g {
+                ended(g ^ ng, i, &mut ends[0]);
+                g = ng;
+            }
+            if nc != c {
+                ended(c ^ nc, i, &mut ends[1]);
+                c = nc;
+            }
+            if nd != d {
+                ended(d ^ nd, i, &mut ends[2]);
+                d = nd;
+                if d == 0 {
+                    break;
+                }
+            }
+            i += 1;
+        }
+        ended(g, i, &mut ends[0]);
+        ended(c, i, &mut ends[1]);
+        ended(d, i, &mut ends[2]);
+        Ok(ends)
+    }
+}
+
+#[pymethods]
+impl BlockStore {
+    #[new]
+    fn new(max_retired: usize, max_age_s: f64) -> Self {
+        BlockStore {
+            cat: Catalog::new(max_retired, max_age_s),
+            masks: [Vec::new(), Vec::new(), Vec::new()],
+            pool_counts: [HashMap::new(), HashMap::new(), HashMap::new()],
+            owners: HashMap::new(),
+            pools: HashMap::new(),
+        }
+    }
+
+    // ------------------------------------------------------------- catalog
+
+    fn set_now(&mut self, now: f64) {
+        self.cat.now = now;
+    }
+
+    fn ident(&self, seq: u64) -> Option<u64> {
+        self.cat.ident(seq)
+    }
+
+    fn identities_of(&self, seqs: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        Ok(u64s(seqs)?.into_iter().map_while(|s| self.cat.ident(s)).collect())
+    }
+
+    fn acquire(&mut self, seq: u64, ident: u64) -> u64 {
+        self.cat.acquire(seq, ident)
+    }
+
+    fn release(&mut self, seq: u64) -> PyResult<()> {
+        self.cat.release(seq).map(drop)
+    }
+
+    fn remember(&mut self, seq: u64, ident: u64) {
+        let now = self.cat.now;
+        self.cat.retire_new(seq, ident, now);
+    }
+
+    fn pool_holds(&self, ident: u64) -> bool {
+        self.pool_counts[HOST].contains_key(&ident) || self.pool_counts[DISK].contains_key(&ident)
+    }
+
+    fn content_len(&self) -> usize {
+        self.cat.map.len()
+    }
+
+    // ------------------------------------------------------------- retired
+
+    fn expire(&mut self, now: f64) {
+        self.cat.expire(now);
+    }
+
+    fn retired_len(&self) -> usize {
+        self.cat.live
+    }
+
+    fn retired_version(&self) -> u64 {
+        self.cat.version
+    }
+
+    fn retired_items(&self) -> Vec<(u64, u64, f64)> {
+        self.cat.retired().collect()
+    }
+
+    fn restore_retired(&mut self, seq: u64, ident: u64, ts: f64) {
+        self.cat.retire_new(seq, ident, ts);
+    }
+
+    fn clear_retired(&mut self) {
+        self.cat.clear_retired();
+    }
+
+    fn retired_limit(&self) -> usize {
+        self.cat.max_entries
+    }
+
+    fn set_retired_limit(&mut self, limit: usize) {
+        self.cat.max_entries = limit;
+    }
+
+    // -------------------------------------------------------------- owners
+
+    fn add_owner(&mut self, slot: usize) -> PyResult<()> {
+        if slot >= MAX_SLOTS {
+            return Err(PyValueError::new_err("owner slot out of range"));
+        }
+        for m in &mut self.masks {
+            if m.len() <= slot >> 6 {
+                m.resize_with((slot >> 6) + 1, HashMap::new);
+            }
+        }
+        let owner = Owner { tiers: Default::default(), dups: HashMap::new() };
+        self.owners.insert(slot, owner);
+        Ok(())
+    }
+
+    fn drop_owner(&mut self, slot: usize) -> PyResult<()> {
+        self.owners.remove(&slot).map(drop).ok_or_else(|| no_owner(slot))
+    }
+
+    fn owner_size(&self, slot: usize) -> PyResult<usize> {
+        Ok(self.owner(slot)?.tiers.iter().map(HashSet::len).sum())
+    }
+
+    fn tier_len(&self, slot: usize, tier: usize) -> PyResult<usize> {
+        Ok(self.owner(slot)?.tiers[tier_ix(tier)?].len())
+    }
+
+    fn count_new(&self, slot: usize, tier: usize, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let held = &self.owner(slot)?.tiers[tier_ix(tier)?];
+        Ok(u64s(seqs)?.iter().filter(|s| !held.contains(*s)).count())
+    }
+
+    fn place_owner(
+        &mut self,
+        slot: usize,
+        tier: usize,
+        seqs: &Bound<'_, PyAny>,
+        idents: Option<&Bound<'_, PyAny>>,
+        room: &Bound<'_, PyAny>,
+    ) -> PyResult<Placed> {
+        let (seqs, idents, room) = (u64s(seqs)?, idents.map(u64s).transpose()?, room_of(room)?);
+        let (cat, mut h) = self.owner_tier(slot, tier)?;
+        place(cat, &mut h, &seqs, idents.as_deref(), room)
+    }
+
+    fn remove_owner(
+        &mut self,
+        slot: usize,
+        tier: usize,
+        seqs: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u64>> {
+        let seqs = u64s(seqs)?;
+        let (cat, mut h) = self.owner_tier(slot, tier)?;
+        let mut missing = Vec::new();
+        for seq in seqs {
+            if !unplace(cat, &mut h, seq)? {
+                missing.push(seq);
+            }
+        }
+        Ok(missing)
+    }
+
+    fn clear_owner(&mut self, slot: usize) -> PyResult<usize> {
+        let mut removed = 0;
+        for tier in [DEVICE, HOST, DISK] {
+            let (cat, mut h) = self.owner_tier(slot, tier)?;
+            removed += clear(cat, &mut h)?;
+        }
+        Ok(removed)
+    }
+
+    fn export_owner<'py>(
+        &self,
+        py: Python<'py>,
+        slot: usize,
+        tier: usize,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        Ok(self.export(py, &self.owner(slot)?.tiers[tier_ix(tier)?]))
+    }
+
+    fn load_owner(&mut self, slot: usize, tier: usize, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
+        let (cat, mut h) = self.owner_tier(slot, tier)?;
+        let empty = h.set.is_empty();
+        load(cat, &mut h, empty, seqs, idents, "tier")
+    }
+
+    // --------------------------------------------------------------- pools
+
+    fn add_pool(&mut self, pid: i64, tier: usize) -> PyResult<()> {
+        let tier = tier_ix(tier)?;
+        self.pools.insert(pid, Pool { tier, blocks: HashSet::new() });
+        Ok(())
+    }
+
+    fn drop_pool(&mut self, pid: i64) -> PyResult<()> {
+        self.pools.remove(&pid).map(drop).ok_or_else(|| no_pool(pid))
+    }
+
+    fn pool_len(&self, pid: i64) -> PyResult<usize> {
+        Ok(self.pool(pid)?.blocks.len())
+    }
+
+    #[pyo3(signature = (pid, seqs, idents, room, placed_out))]
+    fn place_pool(
+        &mut self,
+        pid: i64,
+        seqs: &Bound<'_, PyAny>,
+        idents: Option<&Bound<'_, PyAny>>,
+        room: &Bound<'_, PyAny>,
+        placed_out: Option<&Bound<'_, PyList>>,
+    ) -> PyResult<Placed> {
+        let (seqs, idents, room) = (u64s(seqs)?, idents.map(u64s).transpose()?, room_of(room)?);
+        let (cat, mut h) = self.pool_blocks(pid, placed_out)?;
+        place(cat, &mut h, &seqs, idents.as_deref(), room)
+    }
+
+    fn remove_pool(&mut self, pid: i64, seq: u64) -> PyResult<bool> {
+        let (cat, mut h) = self.pool_blocks(pid, None)?;
+        unplace(cat, &mut h, seq)
+    }
+
+    fn clear_pool(&mut self, pid: i64) -> PyResult<usize> {
+        let (cat, mut h) = self.pool_blocks(pid, None)?;
+        clear(cat, &mut h)
+    }
+
+    fn export_pool<'py>(
+        &self,
+        py: Python<'py>,
+        pid: i64,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        Ok(self.export(py, &self.pool(pid)?.blocks))
+    }
+
+    fn load_pool(&mut self, pid: i64, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
+        let (cat, mut h) = self.pool_blocks(pid, None)?;
+        let empty = h.set.is_empty();
+        load(cat, &mut h, empty, seqs, idents, "pool")
+    }
+
+    // --------------------------------------------------------------- query
+
+    /// The walk over packed u32 tokens, hashed block by block as far as
+    /// it goes (a trailing partial block is not a block). `listed` says
+    /// which 64-slot words to walk.
+    #[pyo3(signature = (data, block_size, seed, listed))]
+    fn match_tokens(
+        &self,
+        data: &[u8],
+        block_size: usize,
+        seed: u64,
+        listed: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
+        let step = block_size
+            .checked_mul(4)
+            .filter(|s| *s > 0)
+            .ok_or_else(|| PyValueError::new_err("block_size must be a positive integer"))?;
+        let len = data.len() / step;
+        let source = Source::Tokens { data, step, ident: seed };
+        let mut prompt = Prompt { source, idents: Vec::with_capacity(len), len };
+        self.matched(&mut prompt, listed)
+    }
+
+    #[pyo3(signature = (idents, listed))]
+    fn match_identities(
+        &self,
+        idents: &Bound<'_, PyAny>,
+        listed: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
+        let mut prompt = if let Ok(list) = idents.cast::<PyList>() {
+            let len = list.len();
+            Prompt { source: Source::List(list), idents: Vec::with_capacity(len), len }
+        } else {
+            let given = u64s(idents)?;
+            Prompt { source: Source::Given, len: given.len(), idents: given }
+        };
+        self.matched(&mut prompt, listed)
+    }
+
+    // --------------------------------------------------------------- tests
+
+    /// Every map as `PyBlockStore.dump` gives it.
+    fn dump<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let cat = &self.cat;
+        let content = PyDict::new(py);
+        let refs = PyDict::new(py);
+        for (seq, b) in &cat.map {
+            content.set_item(seq, b.ident)?;
+            if b.refs > 0 {
+                refs.set_item(seq, b.refs)?;
+            }
+        }
+        let retired: Vec<(u64, f64)> = cat.retired().map(|(s, _, ts)| (s, ts)).collect();
+        let masks = PyList::empty(py);
+        for tier in &self.masks {
+            let mut joined: HashMap<u64, Vec<u64>> = HashMap::new();
+            for (w, word) in tier.iter().enumerate() {
+                for (&ident, &bits) in word {
+                    joined.entry(ident).or_insert_with(|| vec![0; tier.len()])[w] = bits;
+                }
+            }
+            let d = PyDict::new(py);
+            for (ident, words) in joined {
+                d.set_item(ident, words_int(py, &words)?)?;
+            }
+            masks.append(d)?;
+        }
+        let pool_counts = PyList::empty(py);
+        for counts in &self.pool_counts {
+            pool_counts.append(counts.iter().collect::<std::collections::HashMap<_, _>>())?;
+        }
+        let held = |set: &HashSet<u64>| -> PyResult<Bound<'py, PyDict>> {
+            let d = PyDict::new(py);
+            for &seq in set {
+                d.set_item(seq, cat.held_ident(seq))?;
+            }
+            Ok(d)
+        };
+        let owners = PyDict::new(py);
+        for (slot, o) in &self.owners {
+            let tiers = PyList::empty(py);
+            for t in &o.tiers {
+                tiers.append(held(t)?)?;
+            }
+            let dups: std::collections::HashMap<_, _> = o.dups.iter().collect();
+            owners.set_item(slot, (tiers, dups))?;
+        }
+        let pools = PyDict::new(py);
+        for (pid, p) in &self.pools {
+            pools.set_item(pid, (p.tier, held(&p.blocks)?))?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("content", content)?;
+        out.set_item("refs", refs)?;
+        out.set_item("retired", retired)?;
+        out.set_item("masks", masks)?;
+        out.set_item("pool_counts", pool_counts)?;
+        out.set_item("owners", owners)?;
+        out.set_item("pools", pools)?;
+        Ok(out)
+    }
+}

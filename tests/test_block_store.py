@@ -1,0 +1,441 @@
+"""The compiled `BlockStore` (kernel/src/store.rs) behaves exactly like the
+reference `PyBlockStore`: the same random operations on both give the same
+return values and the same state after every step.
+
+The hash space is small, so duplicates, conflicting identities, retirement,
+eviction at small retired limits, expiry, capacity, clears, snapshot round
+trips, owners in several 64-slot words and pools of both tiers all happen.
+The cases the random walk found wrong in the reference once are pinned
+below, on both stores.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from operator import methodcaller
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from kvconductor.block_store import BlockStore, PyBlockStore
+from kvconductor.hashing import chain_identities, pack_tokens
+from kvconductor.kernel import KERNEL
+from kvconductor.media import DEVICE, DISK, HOST
+from kvconductor.packing import pack_u64, unpack_u64
+
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="the compiled kernel is not built")
+
+BLOCK = 2
+SEED = 1337
+# Prompts sharing prefixes; chain k's block i is stored under hash 100k + i.
+PROMPTS = [
+    list(range(1, 13)),
+    [*range(1, 7), *range(40, 46)],
+    list(range(60, 72)),
+]
+CHAINS = [chain_identities(pack_tokens(p), len(p) // BLOCK, BLOCK, SEED) for p in PROMPTS]
+IDENTS = sorted({i for chain in CHAINS for i in chain} | {7, 2**64 - 1})
+SEQS = [*range(12), 2**63, 2**64 - 1] + [100 * k + i for k in range(len(CHAINS)) for i in range(3)]
+SLOTS = [0, 1, 63, 64, 65, 127, 128, 200, 4095]
+PIDS = [0, 1, 2]
+TIERS = [DEVICE, HOST, DISK]
+ROOMS = [-1, 0, 1, 2, 5, 100, 2**70]
+LIMITS = [0, 1, 2, 3, 8, sys.maxsize]
+
+seq_lists = st.lists(st.sampled_from(SEQS), max_size=8)
+
+
+def _compiled(max_retired: int, max_age_s: float) -> BlockStore:
+    assert KERNEL is not None
+    return KERNEL.BlockStore(max_retired, max_age_s)
+
+
+def _pairs(packed: tuple[bytes, bytes]) -> list[tuple[int, int]]:
+    """An export as (seq, identity) pairs; stores differ in export order."""
+    return sorted(zip(unpack_u64(packed[0]), unpack_u64(packed[1]), strict=True))
+
+
+class Stores(RuleBasedStateMachine):
+    """The reference and the compiled store, driven together."""
+
+    ref: PyBlockStore
+    rust: BlockStore
+    # Slots and pool ids added (and perhaps dropped since: KeyError then).
+    owner_slots = Bundle("owner_slots")
+    pool_ids = Bundle("pool_ids")
+
+    @initialize(
+        target=owner_slots,
+        limit=st.sampled_from(LIMITS),
+        age=st.sampled_from([0.5, 2.0, 1e9]),
+        slots=st.sets(st.sampled_from(SLOTS), min_size=1, max_size=4),
+    )
+    def start(self, limit: int, age: float, slots: set[int]) -> object:
+        self.ref = PyBlockStore(limit, age)
+        self.rust = _compiled(limit, age)
+        self.versions = (0, 0)
+        self.now = 0.0
+        self.age = age
+        self.holds: list[int] = []  # hashes acquired by hand, to release
+        self.owners: set[int] = set()
+        self.pools: dict[int, int] = {}  # pid -> tier
+        for slot in sorted(slots):
+            self.add_owner(slot)
+        return multiple(*slots)
+
+    def both(self, call: Callable[[Any], Any]) -> Any:
+        """`call` on each store: the same result, or the same exception type."""
+        out: list[tuple[str, Any]] = []
+        for store in (self.ref, self.rust):
+            try:
+                out.append(("ok", call(store)))
+            except Exception as exc:
+                out.append(("raised", type(exc)))
+        assert out[0] == out[1]
+        return out[0][1]
+
+    # ----------------------------------------------------------- catalog
+
+    @rule(step=st.sampled_from([0.0, 0.25, 1.0, 3.0]))
+    def advance(self, step: float) -> None:
+        self.now += step
+        self.both(lambda s: s.set_now(self.now))
+
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        # Now, or just when a retired entry comes of age (kept at the bound).
+        times = [self.now] + [ts + self.age for _, _, ts in self.ref.retired_items()]
+        now = data.draw(st.sampled_from(times))
+        self.both(lambda s: s.expire(now))
+
+    @rule(seq=st.sampled_from(SEQS), ident=st.sampled_from(IDENTS))
+    def acquire(self, seq: int, ident: int) -> None:
+        self.both(lambda s: s.acquire(seq, ident))
+        self.holds.append(seq)
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        seq = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+        self.both(lambda s: s.release(seq))
+
+    @rule(seq=st.sampled_from(SEQS), ident=st.sampled_from(IDENTS))
+    def remember(self, seq: int, ident: int) -> None:
+        self.both(lambda s: s.remember(seq, ident))
+
+    # The reference raises KeyError at limit 0 (test_restore_at_limit_zero).
+    @precondition(lambda self: self.ref.retired_limit() > 0)
+    @rule(
+        seq=st.sampled_from(SEQS),
+        ident=st.sampled_from(IDENTS),
+        back=st.sampled_from([0.0, 1.0, 5.0]),
+    )
+    def restore_retired(self, seq: int, ident: int, back: float) -> None:
+        self.both(lambda s: s.restore_retired(seq, ident, self.now - back))
+
+    @rule()
+    def clear_retired(self) -> None:
+        self.both(lambda s: s.clear_retired())
+
+    @rule(limit=st.sampled_from(LIMITS))
+    def set_retired_limit(self, limit: int) -> None:
+        self.both(lambda s: s.set_retired_limit(limit))
+
+    # ------------------------------------------------------------ owners
+
+    @rule(target=owner_slots, slot=st.sampled_from(SLOTS))
+    def add_owner(self, slot: int) -> int:
+        if slot not in self.owners:
+            self.both(lambda s: s.add_owner(slot))
+            self.owners.add(slot)
+        return slot
+
+    @rule(slot=owner_slots)
+    def drop_owner(self, slot: int) -> None:
+        # Only empty owners are dropped (NamespaceIndex's rule).
+        if slot not in self.owners or not self.ref.owner_size(slot):
+            self.both(lambda s: s.drop_owner(slot))
+            self.owners.discard(slot)
+
+    @rule(
+        slot=owner_slots,
+        tier=st.sampled_from(TIERS),
+        seqs=seq_lists,
+        data=st.data(),
+        room=st.sampled_from(ROOMS),
+        as_tuple=st.booleans(),
+    )
+    def place_owner(
+        self,
+        slot: int,
+        tier: int,
+        seqs: list[int],
+        data: st.DataObject,
+        room: int,
+        as_tuple: bool,
+    ) -> None:
+        idents = data.draw(
+            st.none() | st.lists(st.sampled_from(IDENTS), min_size=len(seqs), max_size=len(seqs))
+        )
+        arg = tuple(seqs) if as_tuple else seqs
+        self.both(lambda s: s.place_owner(slot, tier, arg, idents, room))
+
+    @rule(
+        slot=owner_slots,
+        tier=st.sampled_from(TIERS),
+        chain=st.integers(0, len(CHAINS) - 1),
+        n=st.integers(1, 3),
+    )
+    def place_chain(self, slot: int, tier: int, chain: int, n: int) -> None:
+        seqs = [100 * chain + i for i in range(n)]
+        self.both(lambda s: s.place_owner(slot, tier, seqs, CHAINS[chain][:n], 100))
+
+    @rule(slot=owner_slots, tier=st.sampled_from(TIERS), seqs=seq_lists)
+    def count_new(self, slot: int, tier: int, seqs: list[int]) -> None:
+        self.both(lambda s: s.count_new(slot, tier, seqs))
+
+    @rule(slot=owner_slots, tier=st.sampled_from(TIERS), seqs=seq_lists)
+    def remove_owner(self, slot: int, tier: int, seqs: list[int]) -> None:
+        self.both(lambda s: s.remove_owner(slot, tier, seqs))
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def clear_owner(self, data: st.DataObject) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.owners)))
+        assert self.rust.clear_owner(slot) == self.ref.clear_owner(slot)
+
+    @rule(slot=owner_slots, tier=st.sampled_from(TIERS))
+    def export_owner(self, slot: int, tier: int) -> None:
+        self.both(lambda s: _pairs(s.export_owner(slot, tier)))
+
+    # ------------------------------------------------------------- pools
+
+    @rule(target=pool_ids, pid=st.sampled_from(PIDS), tier=st.sampled_from([HOST, DISK]))
+    def add_pool(self, pid: int, tier: int) -> int:
+        if pid not in self.pools:
+            self.both(lambda s: s.add_pool(pid, tier))
+            self.pools[pid] = tier
+        return pid
+
+    @rule(pid=pool_ids)
+    def drop_pool(self, pid: int) -> None:
+        if pid not in self.pools or not self.ref.pool_len(pid):
+            self.both(lambda s: s.drop_pool(pid))
+            self.pools.pop(pid, None)
+
+    @rule(
+        pid=pool_ids,
+        seqs=seq_lists,
+        data=st.data(),
+        room=st.sampled_from(ROOMS),
+        report=st.booleans(),
+    )
+    def place_pool(
+        self, pid: int, seqs: list[int], data: st.DataObject, room: int, report: bool
+    ) -> None:
+        idents = data.draw(
+            st.none() | st.lists(st.sampled_from(IDENTS), min_size=len(seqs), max_size=len(seqs))
+        )
+
+        def place(s: BlockStore) -> tuple[object, list[int] | None]:
+            out: list[int] | None = [] if report else None
+            return s.place_pool(pid, seqs, idents, room, out), out
+
+        self.both(place)
+
+    @rule(pid=pool_ids, chain=st.integers(0, len(CHAINS) - 1), n=st.integers(1, 3))
+    def pool_chain(self, pid: int, chain: int, n: int) -> None:
+        seqs = [100 * chain + i for i in range(n)]
+        self.both(lambda s: s.place_pool(pid, seqs, CHAINS[chain][:n], 100, None))
+
+    @rule(pid=pool_ids, seq=st.sampled_from(SEQS))
+    def remove_pool(self, pid: int, seq: int) -> None:
+        self.both(lambda s: s.remove_pool(pid, seq))
+
+    @precondition(lambda self: self.pools)
+    @rule(data=st.data())
+    def clear_pool(self, data: st.DataObject) -> None:
+        pid = data.draw(st.sampled_from(sorted(self.pools)))
+        assert self.rust.clear_pool(pid) == self.ref.clear_pool(pid)
+
+    @rule(pid=pool_ids)
+    def export_pool(self, pid: int) -> None:
+        self.both(lambda s: _pairs(s.export_pool(pid)))
+
+    # ----------------------------------------------------------- restore
+
+    @rule()
+    def round_trip(self) -> None:
+        """Both stores rebuilt from the reference's exports, as a restore
+        from snapshots does: tiers and pools loaded, then the hand-held
+        references (like pinned intents), retired entries last."""
+        owners = {
+            slot: [self.ref.export_owner(slot, tier) for tier in TIERS]
+            for slot in sorted(self.owners)
+        }
+        pools = {pid: self.ref.export_pool(pid) for pid in sorted(self.pools)}
+        limit = self.ref.retired_limit()
+        retired = self.ref.retired_items()
+        before = self.ref.dump()
+        before_content: dict[int, int] = before["content"]  # type: ignore[assignment]
+        fresh: list[BlockStore] = [PyBlockStore(sys.maxsize, 1e9), _compiled(sys.maxsize, 1e9)]
+        for store in fresh:
+            store.set_now(self.now)
+            for slot, tiers in owners.items():
+                store.add_owner(slot)
+                for tier, (seqs, idents) in zip(TIERS, tiers, strict=True):
+                    if seqs:
+                        store.load_owner(slot, tier, seqs, idents)
+            for pid, (seqs, idents) in pools.items():
+                store.add_pool(pid, self.pools[pid])
+                store.load_pool(pid, seqs, idents)
+            for seq in self.holds:
+                store.acquire(seq, before_content[seq])
+            for seq, ident, ts in retired:
+                store.restore_retired(seq, ident, ts)
+            store.set_retired_limit(limit)
+            assert store.dump() == before
+        self.ref, self.rust = fresh  # type: ignore[assignment]
+        self.versions = (self.ref.retired_version(), self.rust.retired_version())
+
+    # ------------------------------------------------------------- query
+
+    @rule(
+        chain=st.integers(0, len(CHAINS) - 1),
+        n=st.integers(0, len(PROMPTS[0]) // BLOCK),
+        data=st.data(),
+    )
+    def match(self, chain: int, n: int, data: st.DataObject) -> None:
+        listed_slots = data.draw(st.sets(st.sampled_from(sorted(self.owners) or SLOTS)))
+        if data.draw(st.booleans()):
+            listed_slots |= self.owners
+        listed = sum(1 << slot for slot in listed_slots)
+        tokens = pack_tokens(PROMPTS[chain][: n * BLOCK])
+        idents = CHAINS[chain][:n]
+        want = self.ref.match_tokens(tokens, BLOCK, SEED, listed)
+        assert self.rust.match_tokens(tokens, BLOCK, SEED, listed) == want
+        assert self.ref.match_identities(idents, listed) == want
+        assert self.rust.match_identities(idents, listed) == want
+        assert self.rust.match_identities(tuple(idents), listed) == want
+        by_seq = self.both(lambda s: s.identities_of([100 * chain + i for i in range(n)]))
+        self.both(lambda s: s.match_identities(by_seq, listed))
+
+    # -------------------------------------------------------- invariants
+
+    @invariant()
+    def same_state(self) -> None:
+        assert self.rust.dump() == self.ref.dump()
+        for name in ("content_len", "retired_len", "retired_items", "retired_limit"):
+            self.both(methodcaller(name))
+        for slot in self.owners:
+            self.both(methodcaller("owner_size", slot))
+        for pid in self.pools:
+            self.both(methodcaller("pool_len", pid))
+        for ident in IDENTS:
+            self.both(methodcaller("pool_holds", ident))
+        for seq in SEQS:
+            self.both(methodcaller("ident", seq))
+        # Versions differ in value (two counters) but change together.
+        versions = (self.ref.retired_version(), self.rust.retired_version())
+        changed = [now != then for now, then in zip(versions, self.versions, strict=True)]
+        assert changed[0] == changed[1]
+        self.versions = versions
+
+
+Stores.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestStores = Stores.TestCase
+
+
+# ------------------------------------------ found by the random walk once
+
+
+_both_stores = pytest.mark.parametrize(
+    "make", [pytest.param(PyBlockStore, id="reference"), pytest.param(_compiled, id="compiled")]
+)
+
+
+@_both_stores
+def test_load_takes_retired_content_back(make: Callable[[int, float], BlockStore]) -> None:
+    # A load is "the same result as placing block by block": the catalog's
+    # identity wins and the entry leaves the retired queue.
+    store = make(10, 1e9)
+    store.remember(5, 50)
+    store.add_owner(0)
+    store.load_owner(0, HOST, pack_u64([5]), pack_u64([51]))
+    assert store.ident(5) == 50
+    assert store.retired_items() == []
+    assert _pairs(store.export_owner(0, HOST)) == [(5, 50)]
+
+
+@_both_stores
+def test_clear_retires_in_hash_order(make: Callable[[int, float], BlockStore]) -> None:
+    store = make(10, 1e9)
+    store.add_owner(0)
+    store.place_owner(0, DEVICE, [3, 1, 2], [30, 10, 20], 10)
+    store.clear_owner(0)
+    assert [seq for seq, _, _ in store.retired_items()] == [1, 2, 3]
+
+
+@_both_stores
+def test_restore_at_limit_zero(make: Callable[[int, float], BlockStore]) -> None:
+    store = make(0, 1e9)
+    store.restore_retired(5, 50, 0.0)
+    assert store.content_len() == 0
+
+
+# ------------------------------------------------------------ edge cases
+
+
+@pytest.mark.parametrize("make", [PyBlockStore, _compiled])
+def test_errors(make: Callable[[int, float], BlockStore]) -> None:
+    store = make(10, 1e9)
+    with pytest.raises(KeyError):
+        store.place_owner(3, DEVICE, [1], [1], 10)
+    with pytest.raises(KeyError):
+        store.remove_pool(3, 1)
+    store.add_owner(3)
+    with pytest.raises(ValueError):
+        store.load_owner(3, DEVICE, pack_u64([1, 2]), pack_u64([1]))
+    with pytest.raises(ValueError):
+        store.load_owner(3, DEVICE, b"\0" * 9, b"\0" * 9)
+    store.add_pool(1, HOST)
+    with pytest.raises(ValueError):
+        store.load_pool(1, pack_u64([1]), b"")
+    with pytest.raises(KeyError):
+        store.release(99)
+
+
+def test_wide_slots_and_full_range_hashes() -> None:
+    """Owners in many words and u64 extremes: the masks are Python ints
+    over every slot, and the walk sees all words."""
+    ref, rust = PyBlockStore(10, 1e9), _compiled(10, 1e9)
+    slots = [0, 64, 1000, 4095]
+    top = 2**64 - 1
+    chain = CHAINS[0][:4]
+    for store in (ref, rust):
+        for k, slot in enumerate(slots):
+            store.add_owner(slot)
+            store.place_owner(slot, DEVICE, [top - i for i in range(k + 1)], chain[: k + 1], 10)
+    assert rust.dump() == ref.dump()
+    listed = sum(1 << s for s in slots) | (1 << 2000)
+    tokens = pack_tokens(PROMPTS[0])
+    want = ref.match_tokens(tokens, BLOCK, SEED, listed)
+    assert want == [(0, 1, 1, 1), (64, 2, 2, 2), (1000, 3, 3, 3), (2000, 0, 0, 0), (4095, 4, 4, 4)]
+    assert rust.match_tokens(tokens, BLOCK, SEED, listed) == want
