@@ -45,7 +45,7 @@ from kvconductor.events import (
     EngineBatch,
     EngineEvent,
 )
-from kvconductor.hashing import extra_keys_fingerprint
+from kvconductor.hashing import extra_keys_fingerprint, pack_tokens, tokens_from_msgpack
 from kvconductor.records import MAX_NAME
 
 __all__ = [
@@ -78,6 +78,9 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 # or with None; EAGLE bigram tokens are decoded as plain `Any` instead.
 
 
+_NO_TOKENS: Final = msgspec.Raw()
+
+
 class SGLangMetadata(msgspec.Struct, gc=False):
     """SGLang `BlockStoredMetadata`: trailing map of a salted array event
     (index 7), or the `metadata` key of a map event in some builds."""
@@ -94,7 +97,8 @@ class ArrayBlockStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=Fa
 
     block_hashes: list[WireHash]  # 1
     parent_block_hash: WireHash | None = None  # 2
-    token_ids: list[TokenId] | None = None  # 3
+    # A msgpack array of token ids, left raw: see `_tokens`.
+    token_ids: msgspec.Raw = _NO_TOKENS  # 3
     block_size: int | None = None  # 4
     lora_id: int | None = None  # 5
     medium: Name | None = None  # 6  (vLLM >= 0.10, SGLang)
@@ -123,7 +127,7 @@ class MapBlockStored(msgspec.Struct, tag="BlockStored", gc=False):
 
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None = None
-    token_ids: list[TokenId] | None = None
+    token_ids: msgspec.Raw = _NO_TOKENS  # see `_tokens`
     block_size: int | None = None
     lora_id: int | None = None
     medium: Name | None = None
@@ -151,16 +155,21 @@ class MapAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
     medium: Name | None = None
 
 
-# Slow-path variants: tokens as `Any` so SGLang's EAGLE bigram pairs decode.
+# Slow-path variants: tokens decoded as `Any` so SGLang's EAGLE bigram pairs
+# decode and a bad token is named. (Overriding a field's type is how msgspec
+# Structs vary one field; the checker sees a Liskov break, which it is not
+# here: these are only ever decoded into, never used as the fast types.)
 class _LaxArrayBlockStored(ArrayBlockStored, tag="BlockStored"):
-    token_ids: list[Any] | None = None
+    token_ids: list[Any] | None = None  # type: ignore[assignment]
 
 
 class _LaxMapBlockStored(MapBlockStored, tag="BlockStored"):
-    token_ids: list[Any] | None = None
+    token_ids: list[Any] | None = None  # type: ignore[assignment]
 
 
 _LAX_STORED_TYPES = (_LaxArrayBlockStored, _LaxMapBlockStored)
+_LaxStored = _LaxArrayBlockStored | _LaxMapBlockStored
+_NIL: Final = b"\xc0"
 
 ArrayEvent = ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared
 MapEvent = MapBlockStored | MapBlockRemoved | MapAllBlocksCleared
@@ -345,7 +354,30 @@ def _lax_tokens(tokens: list[Any], where: str) -> list[int]:
     return out
 
 
-def _stored(ev: _WireStored, i: int) -> BlockStored:
+class _SlowPath(Exception):
+    """Tokens the fast path cannot take: decode the payload the slow way,
+    which takes bigram pairs or says exactly what is wrong."""
+
+
+def _tokens(ev: _WireStored | _LaxStored, i: int) -> bytes | None:
+    """The event's tokens, packed (`kvconductor.hashing.pack_tokens`); None
+    when it has none. The fast path's arrays arrive raw and are packed
+    without a Python int per token (which cost more than the rest of the
+    event's decoding)."""
+    raw = ev.token_ids
+    if raw is None or not len(raw):
+        return None
+    if isinstance(raw, list):  # the slow path's
+        return pack_tokens(_lax_tokens(raw, f"event {i} (BlockStored)"))
+    packed = tokens_from_msgpack(raw)
+    if packed is None:
+        if bytes(raw) == _NIL:
+            return None
+        raise _SlowPath
+    return packed or None
+
+
+def _stored(ev: _WireStored | _LaxStored, i: int) -> BlockStored:
     """One BlockStored, normalised. Hot path: keep the common case cheap."""
     hashes = _hashes(ev.block_hashes, i, "BlockStored")
     parent = ev.parent_block_hash
@@ -356,14 +388,12 @@ def _stored(ev: _WireStored, i: int) -> BlockStored:
             raise RejectedEvent(
                 f"event {i} (BlockStored): field parent_block_hash: {exc.reason}"
             ) from None
-    tokens = ev.token_ids
+    tokens = _tokens(ev, i)
     block_size = ev.block_size
     if block_size is not None and block_size <= 0:
         if block_size < 0:
             raise RejectedEvent(f"event {i} (BlockStored): field block_size: {block_size} < 0")
         block_size = None  # vLLM's hash-only offload events say 0: unknown
-    if tokens and isinstance(ev, _LAX_STORED_TYPES):
-        tokens = _lax_tokens(tokens, f"event {i} (BlockStored)")
     lora_name = ev.lora_name
     salt: str | None = None
     if lora_name is not None:
@@ -467,7 +497,11 @@ def decode_engine_payload(payload: bytes, source: str = "vllm") -> EngineBatch:
         raise DecodeError(f"payload is not valid msgpack: {exc}") from None
     except RecursionError:
         raise DecodeError("payload is nested too deeply") from None
-    return EngineBatch(ts=batch.ts, events=_convert(batch.events), dp_rank=batch.dp_rank)
+    try:
+        events = _convert(batch.events)
+    except _SlowPath:
+        return _decode_slow(payload)
+    return EngineBatch(ts=batch.ts, events=events, dp_rank=batch.dp_rank)
 
 
 def _array_tag(view: memoryview) -> str | None:

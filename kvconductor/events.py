@@ -11,15 +11,19 @@ from typing import Literal
 
 import msgspec
 
+Tokens = bytes | list[int]
+
 
 class BlockStored(msgspec.Struct, frozen=True, gc=False):
     """Engine blocks stored in one medium; block i's parent is block i-1."""
 
     block_hashes: list[int]
     parent_block_hash: int | None = None
-    # None or empty: a token-less store (vLLM's offloading connector);
-    # the content comes from the catalog.
-    token_ids: list[int] | None = None
+    # The blocks' tokens, packed (little-endian u32, `hashing.pack_tokens`)
+    # as the decoders give them, or a list of ints when built by hand. None
+    # or empty: a token-less store (vLLM's offloading connector); the
+    # content comes from the catalog.
+    token_ids: Tokens | None = None
     block_size: int | None = None
     lora_id: int | None = None
     medium: str | None = None

@@ -57,6 +57,23 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+_decode_token_list = msgspec.msgpack.Decoder(list[int]).decode
+
+
+def tokens_from_msgpack(raw: bytes | msgspec.Raw) -> bytes | None:
+    """A msgpack array of token ids in [0, 2**32), left undecoded by a wire
+    decoder, as packed tokens (`pack_tokens`); None for anything else.
+
+    Decoders keep token arrays raw because a list of Python ints costs more
+    than everything else an event carries; this packs them without one."""
+    if KERNEL is not None:
+        return KERNEL.msgpack_tokens(raw)
+    try:
+        return pack_tokens(_decode_token_list(raw))
+    except (msgspec.DecodeError, OverflowError):
+        return None
+
+
 def local_block_hash(tokens: Sequence[int], seed: int = BASE_SEED) -> int:
     """The contract's local hash of one full block of tokens."""
     return _xxh3(pack_tokens(tokens), seed)

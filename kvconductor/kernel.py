@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
+import msgspec
+
 if TYPE_CHECKING:
     # block_store imports this module for KERNEL: the type only.
     from kvconductor.block_store import BlockStore as Store
@@ -19,12 +21,14 @@ if TYPE_CHECKING:
 
 class Kernel(Protocol):
     """kernel/src/lib.rs: the namespace block store (kernel/src/store.rs),
-    and `kvconductor.hashing`'s `pack_tokens` and `chain_identities` without
-    extra keys."""
+    and `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack` and
+    `chain_identities` without extra keys."""
 
     def BlockStore(self, max_retired: int, max_age_s: float) -> Store: ...
 
     def pack_tokens(self, tokens: Sequence[int]) -> bytes: ...
+
+    def msgpack_tokens(self, raw: bytes | msgspec.Raw) -> bytes | None: ...
 
     def chain_identities(
         self, data: bytes, n_blocks: int, block_size: int, parent: int

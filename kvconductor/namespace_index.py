@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from kvconductor.block_store import BlockStore, Placed, new_store
+from kvconductor.events import Tokens
 from kvconductor.hashing import block_identity, chain_identities, lora_seed, pack_tokens
 from kvconductor.pending import (
     INTENT,
@@ -384,7 +385,7 @@ class NamespaceIndex:
         self,
         seqs: Sequence[int],
         parent: int | None,
-        token_ids: list[int],
+        token_ids: Tokens,
         extra: Sequence[int | None] | None,
         pin: bool,
     ) -> tuple[list[int], list[int] | None]:
@@ -394,11 +395,12 @@ class NamespaceIndex:
         or None for identities when the parent's content is not known yet (the
         blocks then wait, unresolved, for it)."""
         bs = self.block_size
-        n = min(len(seqs), len(token_ids) // bs)
+        packed = token_ids if isinstance(token_ids, bytes) else pack_tokens(token_ids)
+        n = min(len(seqs), len(packed) // (4 * bs))
         if n < len(seqs):
             self.counters["partial_blocks_skipped"] += len(seqs) - n
         full = list(seqs[:n])
-        token_bytes = pack_tokens(token_ids[: n * bs])
+        token_bytes = packed[: n * bs * 4]
         root = self.seed if parent is None else self.store.ident(parent)
         if root is not None:
             return full, chain_identities(token_bytes, n, bs, root, extra)
@@ -428,7 +430,7 @@ class NamespaceIndex:
         tier: int,
         seqs: list[int],
         parent: int | None,
-        token_ids: list[int] | None,
+        token_ids: Tokens | None,
         extra: Sequence[int | None] | None,
     ) -> int:
         """An engine stores blocks in its own tier; returns blocks placed now."""
@@ -466,7 +468,7 @@ class NamespaceIndex:
         self,
         seqs: list[int],
         parent: int | None,
-        token_ids: list[int] | None,
+        token_ids: Tokens | None,
         extra: Sequence[int | None] | None,
     ) -> int:
         """Phase one: an engine will offload these blocks into a pool."""
@@ -539,7 +541,7 @@ class NamespaceIndex:
         tier: int,
         seqs: list[int],
         parent: int | None,
-        token_ids: list[int] | None,
+        token_ids: Tokens | None,
     ) -> int:
         """A pool stored blocks: with tokens it carries its own content,
         without it is a confirmation (phase two) joined through the catalog."""

@@ -23,6 +23,7 @@ from consumers.hash_norm import (
 )
 from kvconductor.errors import DecodeError, InvalidHeader, RejectedEvent
 from kvconductor.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch
+from kvconductor.hashing import pack_tokens
 
 FIXTURES = Path(__file__).parent.parent.parent / "shared" / "fixtures" / "vllm"
 VERSIONS = ["0.9.0", "0.10.2", "0.22.0", "0.28.0", "0.33.0", "0.33.0-bytes-hashes"]
@@ -60,6 +61,11 @@ def _json_hash(h: Any) -> int:
     return h & MASK
 
 
+def packed(tokens: list[int] | None) -> bytes | None:
+    """Tokens as the decoder gives them: packed, None when there are none."""
+    return pack_tokens(tokens) if tokens else None
+
+
 def _expected_event(ev: Any) -> Any:
     if isinstance(ev, list):
         tag, rest = ev[0], ev[1:]
@@ -76,7 +82,7 @@ def _expected_event(ev: Any) -> Any:
                 if fields.get("parent_block_hash") is None
                 else _json_hash(fields["parent_block_hash"])
             ),
-            token_ids=fields.get("token_ids"),
+            token_ids=packed(fields.get("token_ids")),
             block_size=fields.get("block_size") or None,
             lora_id=fields.get("lora_id"),
             medium=fields.get("medium"),
@@ -200,7 +206,7 @@ def test_map_form_newest_fields_and_unknown_keys_are_tolerated() -> None:
     assert stored == BlockStored(
         block_hashes=[1, 2],
         parent_block_hash=9,
-        token_ids=[1, 2, 3, 4],
+        token_ids=packed([1, 2, 3, 4]),
         block_size=2,
         lora_id=3,
         medium="CPU",
@@ -237,7 +243,7 @@ def test_array_form_extra_trailing_elements_are_tolerated() -> None:
     cleared = ["AllBlocksCleared", "GPU", 123]
     got = decode_engine_payload(enc([1.0, [stored, removed, cleared], 0, "future", 7]))
     assert got.events == [
-        BlockStored([5], None, [1, 2], 2, None, "GPU", None, None, 0, "full_attention"),
+        BlockStored([5], None, packed([1, 2]), 2, None, "GPU", None, None, 0, "full_attention"),
         BlockRemoved([5], "GPU", 0),
         AllBlocksCleared(),
     ]
@@ -284,7 +290,7 @@ def test_hash_only_offload_event_has_unknown_block_size() -> None:
         "lora_name": None,
     }
     stored = decode_engine_payload(enc([1.0, [ev], 0])).events[0]
-    assert stored == BlockStored([1, 2], None, [], None, None, "CPU", None)
+    assert stored == BlockStored([1, 2], None, None, None, None, "CPU", None)
 
 
 def test_negative_and_bytes_hashes_are_normalised() -> None:
@@ -462,8 +468,8 @@ def test_sglang_array_form_signed_hashes_and_rank() -> None:
     assert got == EngineBatch(
         ts=3.5,
         events=[
-            BlockStored(u[:2], None, [1, 2, 3, 4], 2, None, "GPU"),
-            BlockStored(u[2:], u[1], [5, 6, 7, 8], 2, None, "CPU_PINNED"),
+            BlockStored(u[:2], None, packed([1, 2, 3, 4]), 2, None, "GPU"),
+            BlockStored(u[2:], u[1], packed([5, 6, 7, 8]), 2, None, "CPU_PINNED"),
             BlockRemoved(u[2:], "DISK"),
             BlockRemoved(u[:1], "EXTERNAL"),
             AllBlocksCleared(),
@@ -485,7 +491,7 @@ def test_sglang_pre_medium_events_without_rank() -> None:
         lora_id: int | None
 
     got = decode_engine_payload(enc(OldBatch(1.0, [OldStored([-5], None, [1], 1, None)])), "sglang")
-    assert got == EngineBatch(1.0, [BlockStored([(-5) & MASK], None, [1], 1, None)], None)
+    assert got == EngineBatch(1.0, [BlockStored([(-5) & MASK], None, packed([1]), 1, None)], None)
 
 
 def test_sglang_salted_array_event_puts_salt_in_first_block_key() -> None:
@@ -523,7 +529,13 @@ def test_sglang_map_form_with_salt_and_session() -> None:
     got = decode_engine_payload(enc(SgEventBatch(1.0, [ev], 1)), "sglang")
     assert got.events == [
         BlockStored(
-            [_sglang_hash(1) & MASK], None, [1, 2], 2, None, "CPU_PINNED", extra_keys=[fp(["s"])]
+            [_sglang_hash(1) & MASK],
+            None,
+            packed([1, 2]),
+            2,
+            None,
+            "CPU_PINNED",
+            extra_keys=[fp(["s"])],
         )
     ]
     nested = {
@@ -542,7 +554,7 @@ def test_sglang_eagle_bigram_tokens_stand_for_their_first_token() -> None:
     bigrams = [[tokens[i], tokens[i + 1]] for i in range(4)]
     ev = SgBlockStored([1, 2], None, bigrams, 2, None, "GPU")
     got = decode_engine_payload(enc(SgEventBatch(1.0, [ev], 0)), "sglang")
-    assert got.events == [BlockStored([1, 2], None, [10, 11, 12, 13], 2, None, "GPU")]
+    assert got.events == [BlockStored([1, 2], None, packed([10, 11, 12, 13]), 2, None, "GPU")]
     bad = SgBlockStored([1], None, [[2**32, 1]], 1, None, "GPU")
     with pytest.raises(RejectedEvent, match=r"token_ids\[0\]"):
         decode_engine_payload(enc(SgEventBatch(1.0, [bad], 0)), "sglang")
@@ -580,7 +592,7 @@ def test_trtllm_streaming_publisher_payload() -> None:
         [
             AllBlocksCleared(),
             BlockStored(
-                raw, None, list(range(64)), 32, None, "GPU", None, None, 0, "full_attention"
+                raw, None, packed(list(range(64))), 32, None, "GPU", None, None, 0, "full_attention"
             ),
             BlockRemoved([raw[1]], "GPU"),
         ],

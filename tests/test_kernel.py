@@ -7,6 +7,7 @@ import os
 import shutil
 from array import array
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,3 +66,22 @@ def test_chain_identities_refuses_short_input() -> None:
     kernel = _kernel()
     with pytest.raises(ValueError):
         kernel.chain_identities(b"\0" * 15, 1, 4, 0)
+
+
+tokenish = st.one_of(
+    st.integers(-(2**40), 2**40), st.booleans(), st.floats(), st.text(max_size=2), st.none()
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.lists(st.integers(0, 2**32 + 5)), st.lists(tokenish), tokenish))
+def test_msgpack_tokens_matches_python(value: object) -> None:
+    kernel = _kernel()
+    raw = msgspec.msgpack.encode(value)
+    try:
+        want: bytes | None = pack_tokens(msgspec.msgpack.decode(raw, type=list[int]))
+    except (msgspec.ValidationError, OverflowError):
+        want = None
+    assert kernel.msgpack_tokens(raw) == want
+    # Trailing bytes are not one array.
+    assert kernel.msgpack_tokens(raw + b"\x00") is None

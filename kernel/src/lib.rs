@@ -7,6 +7,7 @@
 
 mod store;
 
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -55,10 +56,39 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: Bound<'py, PyAny>) -> PyResult<Boun
     Ok(PyBytes::new(py, &out))
 }
 
+/// `kvconductor.hashing.tokens_from_msgpack`: one msgpack array of token ids
+/// in [0, 2**32), exactly, as little-endian u32; None for anything else
+/// (the decoder's slow path then says what is wrong).
+#[pyfunction]
+fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, PyBytes>> {
+    if !raw.is_c_contiguous() {
+        return None;
+    }
+    // SAFETY: a contiguous buffer of `len_bytes` bytes that stays alive and
+    // unchanged while we hold it and the GIL (msgspec.Raw and bytes are
+    // immutable).
+    let data = unsafe { std::slice::from_raw_parts(raw.buf_ptr() as *const u8, raw.len_bytes()) };
+    let mut rd = data;
+    let n = rmp::decode::read_array_len(&mut rd).ok()? as usize;
+    if n > rd.len() {
+        return None; // every element takes at least a byte
+    }
+    let mut out = Vec::with_capacity(n * 4);
+    for _ in 0..n {
+        let t: u32 = rmp::decode::read_int(&mut rd).ok()?;
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    if !rd.is_empty() {
+        return None;
+    }
+    Some(PyBytes::new(py, &out))
+}
+
 #[pymodule]
 fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::BlockStore>()?;
     m.add_function(wrap_pyfunction!(chain_identities, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;
     Ok(())
 }
