@@ -87,16 +87,25 @@ def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:
 def respond(ns: NamespaceIndex, tenant: str, lengths: Matched) -> QueryResponse:
     """Shape per-slot lengths as the contract's answer, in tokens."""
     bs = ns.block_size
+    slots = ns.slots
     by_instance: dict[str, list[tuple[int, int, int, int]]] = {}
     for slot, g, c, d in lengths:
-        owner = ns.slots[slot]
+        owner = slots[slot]
         assert owner is not None
-        by_instance.setdefault(owner.instance, []).append((owner.rank, g, c, d))
+        ranks = by_instance.get(owner.instance)
+        if ranks is None:
+            by_instance[owner.instance] = [(owner.rank, g, c, d)]
+        else:
+            ranks.append((owner.rank, g, c, d))
     out: dict[str, dict[str, object]] = {}
     for instance in sorted(by_instance):
-        ranks = sorted(by_instance[instance])
-        # Best rank: largest DISK, then GPU, then CPU, then the lowest rank.
-        best = min(ranks, key=lambda r: (-r[3], -r[1], -r[2], r[0]))
+        ranks = by_instance[instance]
+        if len(ranks) == 1:  # most instances: one rank, nothing to choose
+            best = ranks[0]
+        else:
+            ranks.sort()
+            # Best rank: largest DISK, then GPU, then CPU, then the lowest rank.
+            best = min(ranks, key=_best_first)
         out[instance] = {
             "longest_matched": best[3] * bs,
             "GPU": best[1] * bs,
@@ -105,6 +114,10 @@ def respond(ns: NamespaceIndex, tenant: str, lengths: Matched) -> QueryResponse:
             "DP": {str(r[0]): r[3] * bs for r in ranks},
         }
     return {tenant: out} if out else {}
+
+
+def _best_first(r: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    return (-r[3], -r[1], -r[2], r[0])
 
 
 def run_query(
