@@ -83,8 +83,10 @@ class Conductor:
 
     # ----------------------------------------------------------- queries
 
-    def query(self, req: TokenQuery) -> QueryResponse:
-        return self.index.query(req)
+    def query(self, req: TokenQuery, packed: bytes | None = None) -> QueryResponse:
+        """`packed`: the prompt already packed, in place of `req.token_ids`
+        (see `query.run_query`)."""
+        return self.index.query(req, packed)
 
     def query_by_hash(self, req: HashQuery) -> QueryResponse:
         return self.index.query(req)

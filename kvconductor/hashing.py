@@ -74,6 +74,19 @@ def tokens_from_msgpack(raw: bytes | msgspec.Raw) -> bytes | None:
         return None
 
 
+_decode_json_tokens = msgspec.json.Decoder(list[int]).decode
+
+
+def tokens_from_json(raw: bytes | msgspec.Raw) -> bytes | None:
+    """`tokens_from_msgpack` for a JSON array (a query's prompt)."""
+    if KERNEL is not None:
+        return KERNEL.json_tokens(raw)
+    try:
+        return pack_tokens(_decode_json_tokens(raw))
+    except (msgspec.DecodeError, OverflowError):
+        return None
+
+
 def local_block_hash(tokens: Sequence[int], seed: int = BASE_SEED) -> int:
     """The contract's local hash of one full block of tokens."""
     return _xxh3(pack_tokens(tokens), seed)

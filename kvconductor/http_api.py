@@ -41,7 +41,7 @@ import asyncio
 import hmac
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import structlog
@@ -49,8 +49,15 @@ from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler
 
 from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
+from kvconductor.hashing import tokens_from_json
 from kvconductor.metrics import CONTENT_TYPE, Metrics
-from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
+from kvconductor.query_wire import (
+    HashQuery,
+    InvalidQuery,
+    QueryResponse,
+    RawTokenQuery,
+    TokenQuery,
+)
 
 if TYPE_CHECKING:
     from kvconductor.core import Conductor
@@ -67,6 +74,8 @@ BODY_BUDGET_FACTOR = 4
 _CLOSING = frozenset({408, 413})
 
 _token_decoder = msgspec.json.Decoder(TokenQuery)
+_raw_token_decoder = msgspec.json.Decoder(RawTokenQuery)
+T = TypeVar("T")
 _hash_decoder = msgspec.json.Decoder(HashQuery)
 _encoder = msgspec.json.Encoder()
 
@@ -248,37 +257,41 @@ class QueryApi:
         return b"".join(chunks)
 
     async def query(self, request: web.Request) -> web.Response:
-        return await self._answer(
-            request, _token_decoder, self.conductor.query, self._latency_query
-        )
+        return await self._answer(request, self._token_query, self._latency_query)
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
-        return await self._answer(
-            request, _hash_decoder, self.conductor.query_by_hash, self._latency_hash
-        )
+        return await self._answer(request, self._hash_query, self._latency_hash)
 
     async def _answer(
-        self,
-        request: web.Request,
-        decoder: msgspec.json.Decoder[Any],
-        method: Callable[[Any], QueryResponse],
-        latency: Any,
+        self, request: web.Request, answer: Callable[[bytes], QueryResponse], latency: Any
     ) -> web.Response:
         body = await self._body(request)
         start = perf_counter()
         try:
-            try:
-                req = decoder.decode(body)
-            except msgspec.ValidationError as exc:
-                raise ApiError(400, f"invalid query: {exc}") from None
-            except msgspec.DecodeError as exc:
-                raise ApiError(400, f"malformed JSON: {exc}") from None
-            except RecursionError:  # msgspec skips unknown fields recursively
-                raise ApiError(400, "malformed JSON: nested too deeply") from None
-            answer = self._run(method, req)
-            return web.Response(body=_encoder.encode(answer), content_type=JSON)
+            return web.Response(body=_encoder.encode(answer(body)), content_type=JSON)
         finally:
             latency.observe(perf_counter() - start)
+
+    def _token_query(self, body: bytes) -> QueryResponse:
+        raw = _decode(_raw_token_decoder, body)
+        packed = tokens_from_json(raw.token_ids)
+        if packed is None:
+            # Not one array of token ids in [0, 2**32): the typed decoder
+            # says why, or takes it and the index says why.
+            return self._run(self.conductor.query, _decode(_token_decoder, body))
+        req = TokenQuery(
+            raw.model,
+            raw.block_size,
+            [],
+            raw.lora_name,
+            raw.tenant_id,
+            raw.instance_id,
+            raw.cache_salt,
+        )
+        return self._run(lambda r: self.conductor.query(r, packed), req)
+
+    def _hash_query(self, body: bytes) -> QueryResponse:
+        return self._run(self.conductor.query_by_hash, _decode(_hash_decoder, body))
 
     @staticmethod
     def _run(fn: Callable[[Any], QueryResponse], req: TokenQuery | HashQuery) -> QueryResponse:
@@ -310,6 +323,17 @@ class QueryApi:
 
 
 API_KEY = web.AppKey("kvconductor_api", QueryApi)
+
+
+def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid query: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"malformed JSON: {exc}") from None
+    except RecursionError:  # msgspec skips unknown fields recursively
+        raise ApiError(400, "malformed JSON: nested too deeply") from None
 
 
 def make_app(

@@ -390,10 +390,11 @@ class Index:
 
     # ------------------------------------------------------------ queries
 
-    def query(self, req: TokenQuery | HashQuery) -> QueryResponse:
+    def query(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> QueryResponse:
+        """`packed`: see `query.run_query`."""
         key = namespace_of(req)
         salted = self.namespaces.get(key._replace(salt="")) if key.salt else None
-        return run_query(self.namespaces.get(key), req, salted)
+        return run_query(self.namespaces.get(key), req, salted, packed)
 
     def is_empty(self) -> bool:
         return not self.namespaces

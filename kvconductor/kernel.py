@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 class Kernel(Protocol):
     """kernel/src/lib.rs: the namespace block store (kernel/src/store.rs),
-    and `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack` and
+    and `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack`, `tokens_from_json` and
     `chain_identities` without extra keys."""
 
     def BlockStore(self, max_retired: int, max_age_s: float) -> Store: ...
@@ -29,6 +29,8 @@ class Kernel(Protocol):
     def pack_tokens(self, tokens: Sequence[int]) -> bytes: ...
 
     def msgpack_tokens(self, raw: bytes | msgspec.Raw) -> bytes | None: ...
+
+    def json_tokens(self, raw: bytes | msgspec.Raw) -> bytes | None: ...
 
     def chain_identities(
         self, data: bytes, n_blocks: int, block_size: int, parent: int

@@ -124,6 +124,7 @@ def run_query(
     ns: NamespaceIndex | None,
     req: TokenQuery | HashQuery,
     salted: NamespaceIndex | None = None,
+    packed: bytes | None = None,
 ) -> QueryResponse:
     """Answer one query against its namespace (None: unknown namespace).
 
@@ -132,9 +133,13 @@ def run_query(
     `cache_salt` in the first block's extra keys) keeps its blocks;
     instances that match there are answered too. Inputs are validated
     before any namespace is consulted, so a bad request is a 400 whether or
-    not its namespace exists."""
+    not its namespace exists.
+
+    `packed`: a token query's prompt already packed (`pack_tokens`), in
+    place of its `token_ids`: the HTTP server packs it straight from the
+    request's JSON."""
     if isinstance(req, TokenQuery):
-        data = packed_prompt(req)
+        data = packed_prompt(req) if packed is None else packed
         answer = _answer(ns, req, lambda n: Packed(data, n.seed))
         if salted is not None and req.cache_salt:
             fp = extra_keys_fingerprint([req.cache_salt])

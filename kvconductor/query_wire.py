@@ -15,6 +15,20 @@ class TokenQuery(msgspec.Struct, frozen=True):
     cache_salt: str | None = None
 
 
+class RawTokenQuery(msgspec.Struct, frozen=True):
+    """`TokenQuery` as the HTTP server first decodes it: `token_ids` left raw
+    and packed by `hashing.tokens_from_json`, without a Python int per token
+    (that decoding was two thirds of a query's cost)."""
+
+    model: str
+    block_size: int
+    token_ids: msgspec.Raw
+    lora_name: str | None = None
+    tenant_id: str | None = None
+    instance_id: str | None = None
+    cache_salt: str | None = None
+
+
 class HashQuery(msgspec.Struct, frozen=True):
     model: str
     block_size: int

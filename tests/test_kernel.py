@@ -85,3 +85,20 @@ def test_msgpack_tokens_matches_python(value: object) -> None:
     assert kernel.msgpack_tokens(raw) == want
     # Trailing bytes are not one array.
     assert kernel.msgpack_tokens(raw + b"\x00") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.lists(st.integers(0, 2**32 + 5)), st.lists(tokenish), tokenish))
+def test_json_tokens_matches_python(value: object) -> None:
+    kernel = _kernel()
+    try:
+        raw = msgspec.json.encode(value)
+    except (OverflowError, ValueError):  # NaN and such: not JSON a client can send
+        return
+    try:
+        want: bytes | None = pack_tokens(msgspec.json.decode(raw, type=list[int]))
+    except (msgspec.ValidationError, OverflowError):
+        want = None
+    assert kernel.json_tokens(raw) == want
+    assert kernel.json_tokens(b" " + raw + b"\n") == want  # whitespace is JSON
+    assert kernel.json_tokens(raw + b"]") is None

@@ -84,11 +84,30 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, 
     Some(PyBytes::new(py, &out))
 }
 
+/// `kvconductor.hashing.tokens_from_json`: one JSON array of token ids in
+/// [0, 2**32), as little-endian u32; None for anything else (the query
+/// API's typed decoder then says what is wrong).
+#[pyfunction]
+fn json_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, PyBytes>> {
+    if !raw.is_c_contiguous() {
+        return None;
+    }
+    // SAFETY: as in `msgpack_tokens`.
+    let data = unsafe { std::slice::from_raw_parts(raw.buf_ptr() as *const u8, raw.len_bytes()) };
+    let tokens: Vec<u32> = serde_json::from_slice(data).ok()?;
+    let mut out = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    Some(PyBytes::new(py, &out))
+}
+
 #[pymodule]
 fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::BlockStore>()?;
     m.add_function(wrap_pyfunction!(chain_identities, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(json_tokens, m)?)?;
     Ok(())
 }
