@@ -417,8 +417,9 @@ def _e2e_section(e2e: dict[str, Any]) -> list[str]:
         f"| daemon answers = in-process index, first {e2e['answers_checked']} queries "
         f"| {e2e['identical']} |",
         f"| records dead-lettered | {e2e['bad_records']:,} |",
-        f"| snapshots published per run (longest) | {daemon['snapshots']} "
-        f"({daemon['snapshot_max_s']:.2f} s) |",
+        f"| snapshots published per run (longest; longest hold on the event lock) "
+        f"| {daemon['snapshots']} ({daemon['snapshot_max_s']:.2f} s; "
+        f"{daemon.get('snapshot_max_hold_s', 0) * 1000:,.0f} ms) |",
     ]
 
 

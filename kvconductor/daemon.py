@@ -6,9 +6,12 @@ topics in one consumer group, starting each partition at the offset the
 restored snapshot reflects (or its beginning when none does). Every
 `snapshot.interval_s` the changed units and the applied offsets go out as
 one transaction, which also commits the group's offsets; so a restart
-resumes exactly where the state it restores left off. With snapshots
-disabled the daemon rebuilds from the beginning of the topics each start
-and commits offsets only so that lag tools can see progress.
+resumes exactly where the state it restores left off. That generation is
+captured and sent by a task of its own while the loop goes on applying
+records; only its final round stops them (`SnapshotPublisher.publish`).
+With snapshots disabled the daemon rebuilds from the beginning of the
+topics each start and commits offsets only so that lag tools can see
+progress.
 
 Scale-out (`kafka.repartition`): each daemon also runs stage one, which
 re-keys every record by namespace group onto the internal topic, and the
@@ -125,6 +128,8 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._kafka_ok = True
         self._renew_snapshot_producer = False
+        # The periodic generation, captured and sent beside the event loop.
+        self._publishing: asyncio.Task[bool] | None = None
         # Per partition, the next offset the in-memory state has not applied:
         # where a (re)assigned partition resumes.
         self._state_offsets: dict[TopicPartition, int] = {}
@@ -311,6 +316,7 @@ class Daemon:
         events = self.events
         assert events is not None
         consumer = events.consumer
+        await self._settle_publish()  # a restore must not meet a generation half captured
         if self.cfg.kafka.repartition:
             await self._take_over(assigned)
         return await resume_positions(
@@ -332,26 +338,63 @@ class Daemon:
             self._owned -= lost
 
     async def checkpoint(self, force: bool = False) -> None:
-        """Publish a generation (or commit offsets); call under `events.lock`."""
+        """Publish a generation (or commit offsets); call under `events.lock`,
+        which is held throughout: the hand-over on revocation and at stop."""
         events = self.events
         if events is None:
             return
-        offsets = dict(events.applied_offsets)
+        await self._settle_publish()
         if self.publisher is None:
+            offsets = dict(events.applied_offsets)
             self.conductor.index.dirty.clear()
             if offsets != self._last_published:
                 await events.commit(offsets)
                 self._last_published = offsets
                 self._state_offsets.update(offsets)
             return
-        index = self.conductor.index
-        changed = offsets != self._last_published or index.dirty.owners or index.dirty.pools
-        if not (changed or force):
+        if force or self._changed():
+            await self._publish(None)
+
+    def _changed(self) -> bool:
+        assert self.events is not None
+        dirty = self.conductor.index.dirty
+        return bool(
+            self.events.applied_offsets != self._last_published or dirty.owners or dirty.pools
+        )
+
+    async def _checkpoint_in_background(self) -> bool:
+        """The periodic generation: records keep being applied while it is
+        captured (between its slices) and sent (see `SnapshotPublisher.publish`).
+        False if Kafka failed it."""
+        assert self.events is not None
+        try:
+            if self._changed():
+                await self._publish(self.events.lock)
+        except KafkaError as exc:
+            self._kafka_ok = False
+            log.warning("snapshot failed; retrying", error=str(exc))
+            return False
+        return True
+
+    async def _settle_publish(self) -> None:
+        """Under `events.lock`, before anything else publishes, restores or
+        hands over: a background generation not cut yet is abandoned (its
+        units stay marked), one being sent is waited for (it needs no lock)."""
+        task = self._publishing
+        if task is None or task.done():
             return
+        assert self.publisher is not None
+        if not self.publisher.sending:
+            task.cancel()
+        await asyncio.wait([task])
+
+    async def _publish(self, lock: asyncio.Lock | None) -> None:
+        publisher, events = self.publisher, self.events
+        assert publisher is not None and events is not None
         if self._renew_snapshot_producer:
             await self._renew_publisher()
         try:
-            stats = await self.publisher.publish(index, offsets)
+            stats = await publisher.publish(self.conductor.index, events.applied_offsets, lock=lock)
         except ProducerFenced as exc:
             raise FatalError(
                 "another daemon took over this transactional id (kafka.client_id must be "
@@ -364,8 +407,8 @@ class Daemon:
             # and every later transaction then fails.
             self._renew_snapshot_producer = True
             raise
-        self._last_published = offsets
-        self._state_offsets.update(offsets)
+        self._last_published = stats.offsets
+        self._state_offsets.update(stats.offsets)
         log.info(
             "snapshot published",
             generation=stats.generation,
@@ -373,6 +416,9 @@ class Daemon:
             tombstones=stats.tombstones,
             bytes=stats.bytes,
             seconds=round(stats.seconds, 3),
+            hold_s=round(stats.hold_s, 4),
+            rounds=stats.rounds,
+            final_units=stats.final_units,
         )
 
     def _snapshot_producer(self) -> AIOKafkaProducer:
@@ -506,6 +552,8 @@ class Daemon:
         finally:
             self.status = "stopping"
             self.stop()
+            if self._publishing is not None and not self._publishing.done():
+                self._publishing.cancel()  # the last snapshot was given up on
             if self.publisher is not None:
                 snap_producer = self.publisher.producer  # renewed, maybe
             if stage_one is not None and not stage_one.done():
@@ -532,17 +580,30 @@ class Daemon:
                 continue
             now = time.monotonic()
             if now - last_expire >= EXPIRE_EVERY_S:
-                self.conductor.expire(self.conductor.index.now)
+                # Under the lock: a generation's final round must see no change.
+                async with events.lock:
+                    self.conductor.expire(self.conductor.index.now)
                 self.overflow.check(self.conductor.counters, now)
                 last_expire = now
-            if now - last_checkpoint >= interval:
+            task = self._publishing
+            if task is not None and task.done():
+                self._publishing = None
+                # FatalError stops the daemon; a failed generation is retried
+                # at once (cancelled: a hand-over published in its place).
+                if not task.cancelled() and not task.result():
+                    last_checkpoint = -interval
+            if now - last_checkpoint >= interval and self._publishing is None:
+                if self.publisher is not None:
+                    self._publishing = asyncio.create_task(self._checkpoint_in_background())
+                    last_checkpoint = now
+                    continue
                 try:
                     async with events.lock:
                         await self.checkpoint()
                     last_checkpoint = now
                 except KafkaError as exc:
                     self._kafka_ok = False
-                    log.warning("snapshot failed; retrying next interval", error=str(exc))
+                    log.warning("offset commit failed; retrying", error=str(exc))
 
     async def _repartition_loop(self) -> None:
         stage = self.repartitioner

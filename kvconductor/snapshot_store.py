@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
@@ -27,7 +27,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from kvconductor.index import Index
-from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
+from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
 from kvconductor.snapshots import (
     SCHEMA_VERSION,
     GenerationUnit,
@@ -62,10 +62,37 @@ class PublishStats(NamedTuple):
     tombstones: int
     bytes: int
     seconds: float
+    # The cut: per source partition, the offset the generation reflects.
+    offsets: dict[TopicPartition, int]
+    # Longest single hold of the lock the publish was given (without one,
+    # the caller held its lock throughout: the whole publish).
+    hold_s: float
+    rounds: int  # pre-copy rounds before the final one
+    final_units: int  # units exported in the final round, under the lock
+
+
+# Pre-copy: the longest it exports units under the lock at a time. A single
+# unit takes what it takes (its export is one step).
+SLICE_S = 0.002
+# The final round starts once what is marked again looks this cheap to
+# export, or once a round no longer shrinks it (units that change all the
+# time), or after this many pre-copy rounds.
+FINAL_S = 0.005
+MAX_ROUNDS = 4
+# The final round lets queries in this often (records wait for the lock);
+# each time costs the hold whatever runs meanwhile.
+QUERIES_EVERY_S = 0.005
+
+UnitId = tuple[str, Any]  # (kind, id), as `export_unit` takes them
+Exported = list[tuple[UnitKey, Unit | None]]
+CutObserver = Callable[[Index, int, dict[TopicPartition, int]], None]
 
 
 class SnapshotPublisher:
-    """Writes generations with a transactional producer (one per daemon)."""
+    """Writes generations with a transactional producer (one per daemon).
+
+    A generation is captured in rounds (see `publish`), then sent in one
+    transaction. Never two publishes at once: the daemon serialises them."""
 
     def __init__(self, producer: AIOKafkaProducer, topic: str, group_id: str) -> None:
         self.producer = producer
@@ -75,6 +102,13 @@ class SnapshotPublisher:
         # Chunks currently on the topic per unit, to tombstone leftovers.
         self.published: dict[UnitKey, int] = {}
         self.pending_versions: dict[NamespaceKey, int] = {}
+        # From the cut (offsets taken) until the transaction ended: the
+        # generation can no longer be abandoned, only waited for.
+        self.sending = False
+        # Called at every cut with the index exactly in the state the
+        # generation holds, its number and offsets (tests check it against
+        # what the topic then restores).
+        self.observe_cut: CutObserver | None = None
 
     def adopt(self, restored: SnapshotRead, keep: Callable[[UnitKey], bool] | None = None) -> None:
         """Continue after a restore: same generation numbering, and the units
@@ -91,93 +125,93 @@ class SnapshotPublisher:
         for ns_key in [k for k in self.pending_versions if drop(k)]:
             del self.pending_versions[ns_key]
 
-    def _changed_units(self, index: Index) -> list[tuple[str, Any]]:
-        dirty = index.dirty
-        ids: list[tuple[str, Any]] = [("o", u) for u in dirty.owners]
-        ids += [("p", u) for u in dirty.pools]
-        ids += [("i", u) for u in dirty.instances]
-        for ns_key, ns in index.namespaces.items():
-            if self.pending_versions.get(ns_key) != pending_version(ns):
-                ids.append(("q", ns_key))
-        for ns_key in list(self.pending_versions):
-            if ns_key not in index.namespaces:
-                ids.append(("q", ns_key))
-        return ids
-
     async def publish(
         self,
         index: Index,
-        offsets: dict[TopicPartition, int],
-        progress: Callable[[int, int], None] | None = None,
+        offsets: Mapping[TopicPartition, int],
+        *,
+        lock: asyncio.Lock | None = None,
     ) -> PublishStats:
-        """Publish one generation: changed units, then offsets, atomically."""
+        """Publish one generation: the units changed since the last one and
+        the offsets they reflect, atomically.
+
+        `offsets` is read at the cut, so pass the live mapping the appliers
+        move on. Without `lock`, the caller holds whatever keeps records
+        from being applied, for the whole publish. With it, records keep
+        being applied: pre-copy rounds export the marked units a slice at a
+        time under `lock` and encode them outside it, each round taking the
+        units marked again meanwhile; the final round, under `lock`
+        throughout, exports what is marked by then and reads the offsets
+        (the cut), and the transaction is sent outside it. A unit that
+        changes after its export is marked again, so every unit is
+        published as it was at the cut. If the transaction fails, the
+        units' marks are given back: the next generation rewrites them."""
         started = time.monotonic()
-        ids = self._changed_units(index)
-        generation = self.generation + 1
+        copy = _Copy(self, index, lock)
+        try:
+            final = await copy.capture(offsets)
+            for key, unit in final:
+                copy.encode(key, unit)
+                await asyncio.sleep(0)
+            stats = await self._send(copy, started)
+        except BaseException:
+            copy.give_back()
+            raise
+        finally:
+            self.sending = False
+        return stats
+
+    async def _send(self, copy: _Copy, started: float) -> PublishStats:
+        generation = copy.generation
         units = tombstones = size = 0
-        new_published: dict[UnitKey, int] = {}
-        pending_versions: dict[NamespaceKey, int] = {}
         send = self.producer.send
         async with self.producer.transaction():
-            for n, (kind, uid) in enumerate(ids):
-                key, unit = export_unit(index, kind, uid)
+            for key, records in copy.records.items():
                 had = self.published.get(key, 0)
-                if unit is None:
-                    for c in range(had):
-                        await send(self.topic, key=chunk_key(key, c), value=None)
-                        tombstones += 1
-                    new_published[key] = 0
-                else:
-                    data = encode_unit(unit)
-                    parts = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
-                    parts = parts or [b""]
-                    for c, part in enumerate(parts):
-                        value = msgspec.msgpack.encode(
-                            UnitValue(SCHEMA_VERSION, generation, c, len(parts), part)
-                        )
-                        await send(self.topic, key=chunk_key(key, c), value=value)
-                        size += len(value)
-                    for c in range(len(parts), had):
-                        await send(self.topic, key=chunk_key(key, c), value=None)
-                        tombstones += 1
-                    new_published[key] = len(parts)
-                    units += 1
-                if kind == "q":
-                    ns = index.namespaces.get(uid)
-                    pending_versions[uid] = pending_version(ns) if ns is not None else -1
-                if progress is not None and n % 1000 == 0:
-                    progress(n, len(ids))
-                if n % 16 == 15:
-                    # Big units take a while to export and encode: let
-                    # queries in (events wait for the lock the caller holds).
-                    await asyncio.sleep(0)
+                for c, value in enumerate(records):
+                    await send(self.topic, key=chunk_key(key, c), value=value)
+                    size += len(value)
+                for c in range(len(records), had):
+                    await send(self.topic, key=chunk_key(key, c), value=None)
+                    tombstones += 1
+                units += bool(records)
+                # Sends rarely wait: let records and queries in between units.
+                await asyncio.sleep(0)
             now = time.time()
-            for tp, offset in offsets.items():
-                gen = GenerationUnit(generation, [(tp.topic, tp.partition, offset)], index.now, now)
-                gkey = generation_key_for(tp)
+            for tp, offset in copy.offsets.items():
+                cut = [(tp.topic, tp.partition, offset)]
+                gen = GenerationUnit(generation, cut, copy.clock, now)
                 value = msgspec.msgpack.encode(
                     UnitValue(SCHEMA_VERSION, generation, 0, 1, encode_unit(gen))
                 )
-                await send(self.topic, key=chunk_key(gkey, 0), value=value)
-                new_published[gkey] = 1
-            if offsets:
-                await self.producer.send_offsets_to_transaction(
-                    {tp: o for tp, o in offsets.items()}, self.group_id
-                )
+                await send(self.topic, key=chunk_key(generation_key_for(tp), 0), value=value)
+            if copy.offsets:
+                await self.producer.send_offsets_to_transaction(dict(copy.offsets), self.group_id)
         # Only a committed generation moves the bookkeeping on.
         self.generation = generation
-        for key, count in new_published.items():
-            if count:
-                self.published[key] = count
+        for key, records in copy.records.items():
+            if records:
+                self.published[key] = len(records)
             else:
                 self.published.pop(key, None)
-        for ns_key, version in pending_versions.items():
+        for tp in copy.offsets:
+            self.published[generation_key_for(tp)] = 1
+        for ns_key, version in copy.versions.items():
             if version < 0:
                 self.pending_versions.pop(ns_key, None)
             else:
                 self.pending_versions[ns_key] = version
-        index.dirty.clear()
-        return PublishStats(generation, units, tombstones, size, time.monotonic() - started)
+        return PublishStats(
+            generation,
+            units,
+            tombstones,
+            size,
+            time.monotonic() - started,
+            copy.offsets,
+            copy.hold_s if copy.lock is not None else time.monotonic() - started,
+            copy.rounds,
+            copy.final_units,
+        )
 
     def mark_all_dirty(self, index: Index) -> None:
         """Make the next generation rewrite every unit (after a restore or a
@@ -194,6 +228,180 @@ class SnapshotPublisher:
             if key[0] == "q":
                 ns_key = NamespaceKey(key[1], key[2], key[3], key[4], key[5])
                 self.pending_versions.setdefault(ns_key, -2)
+
+
+class _Copy:
+    """One generation being captured: its units exported and encoded so far,
+    and every dirty mark taken off the index for it."""
+
+    def __init__(
+        self,
+        publisher: SnapshotPublisher,
+        index: Index,
+        lock: asyncio.Lock | None,
+    ) -> None:
+        self.publisher = publisher
+        self.index = index
+        self.lock = lock
+        self.generation = publisher.generation + 1
+        # Per unit key, its chunks' record values; empty: the unit is gone.
+        self.records: dict[UnitKey, list[bytes]] = {}
+        self.taken = Dirty()
+        # Pending version of each namespace's pending unit as exported (-1:
+        # gone), and as last taken.
+        self.versions: dict[NamespaceKey, int] = {}
+        self.seen: dict[NamespaceKey, int] = {}
+        # Seconds each unit's last export took: what a final round would cost.
+        self.cost: dict[UnitId, float] = {}
+        self.offsets: dict[TopicPartition, int] = {}
+        self.clock = 0.0
+        self.hold_s = 0.0
+        self.rounds = 0
+        self.final_units = 0
+
+    async def capture(self, offsets: Mapping[TopicPartition, int]) -> Exported:
+        """Run the rounds up to the cut; returns the final round's units,
+        exported but not encoded yet."""
+        lock = self.lock
+        if lock is None:
+            return await self._final(self._take(), offsets)
+        spent = float("inf")  # export seconds of the last pre-copy round
+        while True:
+            async with lock:
+                held = time.perf_counter()
+                ids = self._take()
+                estimate = self._estimate(ids)
+                # A round that would not halve what is left gains nothing:
+                # those units change faster than rounds go.
+                final = (
+                    await self._final(ids, offsets)
+                    if self.rounds >= MAX_ROUNDS or estimate <= FINAL_S or estimate > spent / 2
+                    else None
+                )
+                self._held(held)
+            if final is not None:
+                return final
+            spent = await self._precopy(ids, lock)
+            self.rounds += 1
+
+    def _take(self) -> list[UnitId]:
+        """The units changed since they were last taken; call between batches."""
+        dirty = self.index.dirty
+        ids: list[UnitId] = [("o", u) for u in dirty.owners]
+        ids += [("p", u) for u in dirty.pools]
+        ids += [("i", u) for u in dirty.instances]
+        self.taken.owners |= dirty.owners
+        self.taken.pools |= dirty.pools
+        self.taken.instances |= dirty.instances
+        dirty.clear()
+        # Pending units have versions instead of marks.
+        namespaces = self.index.namespaces
+        published = self.publisher.pending_versions
+        for ns_key in namespaces.keys() | published.keys() | self.versions.keys():
+            version = self._pending_version(ns_key)
+            if self.versions.get(ns_key, published.get(ns_key)) != version:
+                ids.append(("q", ns_key))
+                self.seen[ns_key] = version
+        return ids
+
+    def _stale(self, uid: UnitId) -> bool:
+        """Changed again since it was taken: the next round takes it again,
+        so exporting it now would be wasted."""
+        kind, unit_id = uid
+        dirty = self.index.dirty
+        if kind == "o":
+            return unit_id in dirty.owners
+        if kind == "p":
+            return unit_id in dirty.pools
+        if kind == "i":
+            return unit_id in dirty.instances
+        return self._pending_version(unit_id) != self.seen[unit_id]
+
+    def _pending_version(self, ns_key: NamespaceKey) -> int:
+        ns = self.index.namespaces.get(ns_key)
+        return -1 if ns is None else pending_version(ns)
+
+    def _estimate(self, ids: list[UnitId]) -> float:
+        """What exporting `ids` would take, from their last exports; before
+        any, more than a final round may take (the first round pre-copies)."""
+        cost = self.cost
+        if not cost:
+            return float("inf") if ids else 0.0
+        mean = sum(cost.values()) / len(cost)
+        return sum(cost.get(uid, mean) for uid in ids)
+
+    def _export(self, uid: UnitId) -> tuple[UnitKey, Unit | None]:
+        kind, unit_id = uid
+        t = time.perf_counter()
+        key, unit = export_unit(self.index, kind, unit_id)
+        self.cost[uid] = time.perf_counter() - t
+        if kind == "q":
+            self.versions[unit_id] = self._pending_version(unit_id)
+        return key, unit
+
+    async def _precopy(self, ids: list[UnitId], lock: asyncio.Lock) -> float:
+        """Export `ids` a slice at a time under `lock`, encode them outside
+        it; returns the export seconds."""
+        n = 0
+        spent = 0.0
+        while n < len(ids):
+            async with lock:
+                held = time.perf_counter()
+                exported: Exported = []
+                while n < len(ids):
+                    uid = ids[n]
+                    n += 1
+                    if not self._stale(uid):
+                        exported.append(self._export(uid))
+                    if time.perf_counter() - held >= SLICE_S:
+                        break
+                spent += time.perf_counter() - held
+                self._held(held)
+            for key, unit in exported:
+                self.encode(key, unit)
+                await asyncio.sleep(0)
+        return spent
+
+    async def _final(self, ids: list[UnitId], offsets: Mapping[TopicPartition, int]) -> Exported:
+        """Export what is left and read the offsets: the cut. Records are not
+        applied meanwhile (the lock); queries are, now and then."""
+        exported: Exported = []
+        last = time.perf_counter()
+        for uid in ids:
+            exported.append(self._export(uid))
+            if time.perf_counter() - last >= QUERIES_EVERY_S:
+                await asyncio.sleep(0)
+                last = time.perf_counter()
+        self.final_units = len(ids)
+        self.offsets = dict(offsets)
+        self.clock = self.index.now
+        publisher = self.publisher
+        publisher.sending = True
+        if publisher.observe_cut is not None:
+            publisher.observe_cut(self.index, self.generation, self.offsets)
+        return exported
+
+    def _held(self, since: float) -> None:
+        self.hold_s = max(self.hold_s, time.perf_counter() - since)
+
+    def encode(self, key: UnitKey, unit: Unit | None) -> None:
+        """The unit's records, ready to send (a later export replaces them)."""
+        if unit is None:
+            self.records[key] = []
+            return
+        data = encode_unit(unit)
+        parts = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+        self.records[key] = [
+            msgspec.msgpack.encode(UnitValue(SCHEMA_VERSION, self.generation, c, len(parts), part))
+            for c, part in enumerate(parts)
+        ]
+
+    def give_back(self) -> None:
+        """The generation is not published: its units stay marked changed."""
+        dirty = self.index.dirty
+        dirty.owners |= self.taken.owners
+        dirty.pools |= self.taken.pools
+        dirty.instances |= self.taken.instances
 
 
 def pending_version(ns: NamespaceIndex) -> int:

@@ -56,8 +56,11 @@ def stream(seed: int, n: int) -> tuple[list[Record], list[Record]]:
         if r < 0.5:
             medium = rng.choice(["GPU", "GPU", "CPU"])
             engine.append(
-                (inst, vllm_payload([stored(hashes, p[: 4 * k], medium=medium)]),
-                 engine_headers(model))
+                (
+                    inst,
+                    vllm_payload([stored(hashes, p[: 4 * k], medium=medium)]),
+                    engine_headers(model),
+                )
             )
             held.setdefault(inst, []).extend(hashes)
         elif r < 0.65 and held.get(inst):
@@ -65,17 +68,29 @@ def stream(seed: int, n: int) -> tuple[list[Record], list[Record]]:
             engine.append((inst, vllm_payload([removed(gone)]), engine_headers(model)))
         elif r < 0.8:
             engine.append(
-                (f"offloader-{model}",
-                 vllm_payload([stored(hashes, p[: 4 * k], medium="CPU")]),
-                 engine_headers(model, **{"kv-offload": "pool"}))
+                (
+                    f"offloader-{model}",
+                    vllm_payload([stored(hashes, p[: 4 * k], medium="CPU")]),
+                    engine_headers(model, **{"kv-offload": "pool"}),
+                )
             )
         else:
             other = rng.choice(MODELS)
             events = [
-                {"event_type": "stored", "seq_hashes": hashes, "medium": "cpu",
-                 "model_name": model, "block_size": 4},
-                {"event_type": "stored", "seq_hashes": [h(other, p[:4])], "medium": "disk",
-                 "model_name": other, "block_size": 4},
+                {
+                    "event_type": "stored",
+                    "seq_hashes": hashes,
+                    "medium": "cpu",
+                    "model_name": model,
+                    "block_size": 4,
+                },
+                {
+                    "event_type": "stored",
+                    "seq_hashes": [h(other, p[:4])],
+                    "medium": "disk",
+                    "model_name": other,
+                    "block_size": 4,
+                },
             ]
             pool.append(("mooncake-0", pool_payload(events), []))
     return engine, pool
@@ -188,6 +203,7 @@ async def test_daemons_share_partitions_and_union_equals_single_run(
                 (k for k in got.keys() | want.keys() if got.get(k) != want.get(k)), key=repr
             )
             from kvconductor.snapshots import decode_unit
+
             detail = []
             for key in diff[:2]:
                 a = decode_unit(got[key]) if key in got else None
