@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import xxhash
@@ -57,9 +57,6 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-_decode_token_list = msgspec.msgpack.Decoder(list[int]).decode
-
-
 def tokens_from_msgpack(raw: bytes | msgspec.Raw) -> bytes | None:
     """A msgpack array of token ids in [0, 2**32), left undecoded by a wire
     decoder, as packed tokens (`pack_tokens`); None for anything else.
@@ -68,21 +65,25 @@ def tokens_from_msgpack(raw: bytes | msgspec.Raw) -> bytes | None:
     than everything else an event carries; this packs them without one."""
     if KERNEL is not None:
         return KERNEL.msgpack_tokens(raw)
-    try:
-        return pack_tokens(_decode_token_list(raw))
-    except (msgspec.DecodeError, OverflowError):
-        return None
-
-
-_decode_json_tokens = msgspec.json.Decoder(list[int]).decode
+    return _packed_or_none(_decode_msgpack_tokens, raw)
 
 
 def tokens_from_json(raw: bytes | msgspec.Raw) -> bytes | None:
     """`tokens_from_msgpack` for a JSON array (a query's prompt)."""
     if KERNEL is not None:
         return KERNEL.json_tokens(raw)
+    return _packed_or_none(_decode_json_tokens, raw)
+
+
+_decode_msgpack_tokens = msgspec.msgpack.Decoder(list[int]).decode
+_decode_json_tokens = msgspec.json.Decoder(list[int]).decode
+
+
+def _packed_or_none(
+    decode: Callable[[bytes | msgspec.Raw], list[int]], raw: bytes | msgspec.Raw
+) -> bytes | None:
     try:
-        return pack_tokens(_decode_json_tokens(raw))
+        return pack_tokens(decode(raw))
     except (msgspec.DecodeError, OverflowError):
         return None
 

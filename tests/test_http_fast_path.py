@@ -24,9 +24,10 @@ import pytest
 from aiohttp import web
 
 from bench.http_load import WARM_UP, _Connection, http_figure
-from bench.workload import WorkloadConfig, generate
+from bench.workload import generate
 from kvconductor.api_client import metric_sum, parse_metrics
 from kvconductor.http_api import API_KEY, QueryApi
+from tests.test_bench_smoke import _tiny_config
 from tests.test_http_abuse import connection, encode, read_answer, request_head, serving
 from tests.test_http_api import FULL_ANSWER, TOKEN, query
 
@@ -180,17 +181,7 @@ async def test_client_fails_when_the_server_hangs_up() -> None:
 
 
 def _tiny_workload() -> Any:
-    return generate(
-        WorkloadConfig.for_entries(
-            12_000,
-            queries=20,
-            system_prompts=3,
-            documents=8,
-            document_tokens=(256, 1024),
-            max_context_tokens=4096,
-            query_tokens=1024,
-        )
-    )
+    return generate(_tiny_config())
 
 
 def test_figure_checks_every_answer_and_splits_the_cpu() -> None:

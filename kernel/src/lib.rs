@@ -61,27 +61,14 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: Bound<'py, PyAny>) -> PyResult<Boun
 /// (the decoder's slow path then says what is wrong).
 #[pyfunction]
 fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, PyBytes>> {
-    if !raw.is_c_contiguous() {
-        return None;
-    }
-    // SAFETY: a contiguous buffer of `len_bytes` bytes that stays alive and
-    // unchanged while we hold it and the GIL (msgspec.Raw and bytes are
-    // immutable).
-    let data = unsafe { std::slice::from_raw_parts(raw.buf_ptr() as *const u8, raw.len_bytes()) };
-    let mut rd = data;
+    let mut rd = buffer_bytes(&raw)?;
     let n = rmp::decode::read_array_len(&mut rd).ok()? as usize;
     if n > rd.len() {
         return None; // every element takes at least a byte
     }
-    let mut out = Vec::with_capacity(n * 4);
-    for _ in 0..n {
-        let t: u32 = rmp::decode::read_int(&mut rd).ok()?;
-        out.extend_from_slice(&t.to_le_bytes());
-    }
-    if !rd.is_empty() {
-        return None;
-    }
-    Some(PyBytes::new(py, &out))
+    let tokens =
+        (0..n).map(|_| rmp::decode::read_int(&mut rd).ok()).collect::<Option<Vec<u32>>>()?;
+    rd.is_empty().then(|| packed(py, &tokens))
 }
 
 /// `kvconductor.hashing.tokens_from_json`: one JSON array of token ids in
@@ -89,17 +76,27 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, 
 /// API's typed decoder then says what is wrong).
 #[pyfunction]
 fn json_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, PyBytes>> {
+    let tokens: Vec<u32> = serde_json::from_slice(buffer_bytes(&raw)?).ok()?;
+    Some(packed(py, &tokens))
+}
+
+/// The bytes of a contiguous buffer (a msgspec.Raw or bytes), or None.
+fn buffer_bytes(raw: &PyBuffer<u8>) -> Option<&[u8]> {
     if !raw.is_c_contiguous() {
         return None;
     }
-    // SAFETY: as in `msgpack_tokens`.
-    let data = unsafe { std::slice::from_raw_parts(raw.buf_ptr() as *const u8, raw.len_bytes()) };
-    let tokens: Vec<u32> = serde_json::from_slice(data).ok()?;
+    // SAFETY: `len_bytes` contiguous bytes that stay alive and unchanged
+    // while the buffer is held (msgspec.Raw and bytes are immutable).
+    Some(unsafe { std::slice::from_raw_parts(raw.buf_ptr() as *const u8, raw.len_bytes()) })
+}
+
+/// Token ids as little-endian u32 bytes.
+fn packed<'py>(py: Python<'py>, tokens: &[u32]) -> Bound<'py, PyBytes> {
     let mut out = Vec::with_capacity(tokens.len() * 4);
     for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
     }
-    Some(PyBytes::new(py, &out))
+    PyBytes::new(py, &out)
 }
 
 #[pymodule]
