@@ -335,17 +335,30 @@ async def test_engines_via_the_bridge_feed_a_daemon(kafka_bootstrap: str) -> Non
 
             try:
                 await wait_for(cached, 90, "a system prompt cached via the bridge")
-            finally:
-                out, err = await _finish(engines, 120)
+            except AssertionError as exc:
+                # Say where the relay stopped: the engines' and the bridge's
+                # own accounts.
+                _, err = await _finish(engines, 120)
+                _, bridge_err = await _stop(bridge)
+                raise AssertionError(
+                    f"{exc}\nengines: {err.decode()[-2000:]}\nbridge: {bridge_err.decode()[-3000:]}"
+                ) from None
+            out, err = await _finish(engines, 120)
             assert engines.returncode == 0, err.decode()[-3000:]
             assert "via bridge http://127.0.0.1:" in out.decode()
     finally:
-        bridge.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(bridge.wait(), 30)
-        except TimeoutError:
-            bridge.kill()
-            await bridge.wait()
+        if bridge.returncode is None:
+            await _stop(bridge)
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+    """SIGTERM, then its output; killed if it does not end within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.wait_for(proc.communicate(), 30)
+    except TimeoutError:
+        proc.kill()
+        return await proc.communicate()
 
 
 def test_demo_with_its_http_port_taken_is_one_line(kafka_bootstrap: str) -> None:
