@@ -21,7 +21,7 @@ format's.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import xxhash
@@ -303,15 +303,26 @@ class PyBlockStore:
         self, slot: int, tier: int, seqs: Sequence[int], idents: Sequence[int] | None, room: int
     ) -> Placed:
         owner = self.owners[slot]
-        tmap = owner.tiers[tier]
-        if idents is None:
-            content = self.content
-            known = [seq for seq in seqs if seq in content]
-            placed, dropped, conflicts = self._place_owner(owner, tier, known, None, room)
-            waits = [seq for seq in seqs if seq not in content and seq not in tmap]
-            return placed, dropped, conflicts, waits
-        placed, dropped, conflicts = self._place_owner(owner, tier, seqs, idents, room)
-        return placed, dropped, conflicts, []
+
+        def place(seqs: Sequence[int], idents: Sequence[int] | None) -> tuple[int, int, int]:
+            return self._place_owner(owner, tier, seqs, idents, room)
+
+        return self._place_known(seqs, idents, owner.tiers[tier], place)
+
+    def _place_known(
+        self,
+        seqs: Sequence[int],
+        idents: Sequence[int] | None,
+        held: Container[int],
+        place: Callable[[Sequence[int], Sequence[int] | None], tuple[int, int, int]],
+    ) -> Placed:
+        """`place` all of `seqs` when `idents` gives their content; else the
+        ones the catalog knows, and return the rest (not held) to wait."""
+        if idents is not None:
+            return (*place(seqs, idents), [])
+        content = self.content
+        placed = place([seq for seq in seqs if seq in content], None)
+        return (*placed, [seq for seq in seqs if seq not in content and seq not in held])
 
     def _place_owner(
         self,
@@ -428,14 +439,11 @@ class PyBlockStore:
         placed_out: list[int] | None,
     ) -> Placed:
         store = self.pools[pid]
-        if idents is None:
-            content = self.content
-            known = [seq for seq in seqs if seq in content]
-            placed, dropped, conflicts = self._place_pool(store, known, None, room, placed_out)
-            waits = [seq for seq in seqs if seq not in content and seq not in store.blocks]
-            return placed, dropped, conflicts, waits
-        placed, dropped, conflicts = self._place_pool(store, seqs, idents, room, placed_out)
-        return placed, dropped, conflicts, []
+
+        def place(seqs: Sequence[int], idents: Sequence[int] | None) -> tuple[int, int, int]:
+            return self._place_pool(store, seqs, idents, room, placed_out)
+
+        return self._place_known(seqs, idents, store.blocks, place)
 
     def _place_pool(
         self,
