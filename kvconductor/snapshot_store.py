@@ -27,7 +27,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from kvconductor.index import Index
-from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
+from kvconductor.namespace_index import Dirty, NamespaceKey
 from kvconductor.snapshots import (
     SCHEMA_VERSION,
     GenerationUnit,
@@ -319,7 +319,7 @@ class _Copy:
 
     def _pending_version(self, ns_key: NamespaceKey) -> int:
         ns = self.index.namespaces.get(ns_key)
-        return -1 if ns is None else pending_version(ns)
+        return -1 if ns is None else ns.pending_version()
 
     def _estimate(self, ids: list[UnitId]) -> float:
         """What exporting `ids` would take, from their last exports; before
@@ -402,10 +402,6 @@ class _Copy:
         dirty.owners |= self.taken.owners
         dirty.pools |= self.taken.pools
         dirty.instances |= self.taken.instances
-
-
-def pending_version(ns: NamespaceIndex) -> int:
-    return ns.pending_version()
 
 
 def generation_key_for(tp: TopicPartition) -> UnitKey:
