@@ -541,7 +541,10 @@ async def test_snapshot_producer_renewed_after_a_lost_transaction(broker: Broker
         async with running(run.cfg) as daemon:
             await wait_ready(daemon_port(daemon), 90)
             assert daemon.events is not None and daemon.publisher is not None
-            async with daemon.events.lock:  # between generations
+            async with daemon.events.lock:
+                # Generations are sent outside the lock: let the one in
+                # flight end, so the staged transaction is the only one.
+                await daemon._settle_publish()
                 old = daemon.publisher.producer
                 await old.begin_transaction()
                 await old.send(run.cfg.kafka.snapshot_topic, key=b"left open", value=b"")
