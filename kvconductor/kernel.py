@@ -15,16 +15,20 @@ from typing import TYPE_CHECKING, Protocol, cast
 import msgspec
 
 if TYPE_CHECKING:
-    # block_store imports this module for KERNEL: the type only.
+    # block_store and answer_shape import this module for KERNEL: types only.
+    from kvconductor.answer_shape import AnswerShape, Layout
     from kvconductor.block_store import BlockStore as Store
 
 
 class Kernel(Protocol):
     """kernel/src/lib.rs: the namespace block store (kernel/src/store.rs),
-    and `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack`, `tokens_from_json` and
-    `chain_identities` without extra keys."""
+    the query answer's shape (kernel/src/shape.rs), and
+    `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack`,
+    `tokens_from_json` and `chain_identities` without extra keys."""
 
     def BlockStore(self, max_retired: int, max_age_s: float) -> Store: ...
+
+    def AnswerShape(self, layout: Layout) -> AnswerShape: ...
 
     def pack_tokens(self, tokens: Sequence[int]) -> bytes: ...
 

@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+from kvconductor.answer_shape import AnswerShape, new_shape
 from kvconductor.block_store import BlockStore, Placed, new_store
 from kvconductor.events import Tokens
 from kvconductor.hashing import block_identity, chain_identities, lora_seed, pack_tokens
@@ -138,6 +139,7 @@ class NamespaceIndex:
         self.slots: list[Owner | None] = []
         self.free_slots: list[int] = []
         self.all_bits = 0
+        self._shape: AnswerShape | None = None  # made again when owners change
         self.pools: dict[tuple[str, str], PoolStore] = {}
         self.next_pid = 0
         self.waiting: dict[int, list[Target]] = {}
@@ -289,8 +291,20 @@ class NamespaceIndex:
             self.store.add_owner(slot)
             self.slots[slot] = owner
             self.all_bits |= owner.bit
+            self._shape = None
         self.dirty.owners.add((self.key, instance, rank))
         return owner
+
+    def answer_shape(self) -> AnswerShape:
+        """The owners as a query answer lays them out."""
+        if self._shape is None:
+            self._shape = new_shape(
+                [
+                    (name, [(rank, o.slot) for rank, o in sorted(ranks.items())])
+                    for name, ranks in sorted(self.owners.items())
+                ]
+            )
+        return self._shape
 
     def restored_owner(self, instance: str, rank: int) -> Owner:
         owner = self._owner(instance, rank)
@@ -308,6 +322,7 @@ class NamespaceIndex:
             del self.owners[owner.instance]
         self.slots[owner.slot] = None
         self.all_bits &= ~owner.bit
+        self._shape = None
         if self.owners:
             self.free_slots.append(owner.slot)
         else:

@@ -12,8 +12,9 @@ Each of the three is a set of still-matching owners kept as a bitmask over
 owner slots, so one block costs a few map lookups however many owners there
 are; the pass stops at the first block that no owner can serve, and prompt
 hashing is lazy, so a short hit never hashes the rest of a long prompt. The
-walk itself is the namespace store's (`BlockStore.match_*`); here are the
-request's checks and the answer's shape.
+walk itself is the namespace store's (`BlockStore.match_*`) and the
+answer's shape the namespace's (`AnswerShape`); here are the request's
+checks and the salted namespace's merge.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ def namespace_of(req: TokenQuery | HashQuery) -> NamespaceKey:
 
 def packed_prompt(req: TokenQuery) -> bytes:
     """The prompt's full blocks as little-endian u32 tokens."""
-    n = len(req.token_ids) // req.block_size
+    tokens = req.token_ids
+    full = len(tokens) - len(tokens) % req.block_size
     try:
-        return pack_tokens(req.token_ids[: n * req.block_size])
+        # A trailing partial block is not a block: left out, unchecked.
+        return pack_tokens(tokens if full == len(tokens) else tokens[:full])
     except (OverflowError, TypeError, ValueError) as exc:
         raise InvalidQuery("token_ids must be integers in [0, 2**32)") from exc
 
@@ -82,42 +85,6 @@ def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:
     for owner in ns.owners.get(instance_id, {}).values():
         bits |= owner.bit
     return bits
-
-
-def respond(ns: NamespaceIndex, tenant: str, lengths: Matched) -> QueryResponse:
-    """Shape per-slot lengths as the contract's answer, in tokens."""
-    bs = ns.block_size
-    slots = ns.slots
-    by_instance: dict[str, list[tuple[int, int, int, int]]] = {}
-    for slot, g, c, d in lengths:
-        owner = slots[slot]
-        assert owner is not None
-        ranks = by_instance.get(owner.instance)
-        if ranks is None:
-            by_instance[owner.instance] = [(owner.rank, g, c, d)]
-        else:
-            ranks.append((owner.rank, g, c, d))
-    out: dict[str, dict[str, object]] = {}
-    for instance in sorted(by_instance):
-        ranks = by_instance[instance]
-        if len(ranks) == 1:  # most instances: one rank, nothing to choose
-            best = ranks[0]
-        else:
-            ranks.sort()
-            # Best rank: largest DISK, then GPU, then CPU, then the lowest rank.
-            best = min(ranks, key=_best_first)
-        out[instance] = {
-            "longest_matched": best[3] * bs,
-            "GPU": best[1] * bs,
-            "CPU": best[2] * bs,
-            "DISK": best[3] * bs,
-            "DP": {str(r[0]): r[3] * bs for r in ranks},
-        }
-    return {tenant: out} if out else {}
-
-
-def _best_first(r: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    return (-r[3], -r[1], -r[2], r[0])
 
 
 def run_query(
@@ -163,9 +130,7 @@ def _answer(
     if not listed:
         return {}
     lengths = match(ns, prompt(ns), listed)
-    if hits_only:
-        lengths = [m for m in lengths if m[3]]
-    return respond(ns, ns.key.tenant, lengths)
+    return ns.answer_shape().shape(ns.key.tenant, lengths, ns.block_size, hits_only)
 
 
 def _merge(a: QueryResponse, b: QueryResponse) -> QueryResponse:

@@ -43,6 +43,7 @@ from consumers.engine_wire import (
     decode_engine_payload,
 )
 from consumers.pool_wire import decode_pool_payload
+from kvconductor.answer_shape import PyAnswerShape
 from kvconductor.block_store import PyBlockStore
 from kvconductor.core import Conductor
 from kvconductor.errors import BadRecord, DecodeError, RejectedEvent
@@ -492,11 +493,15 @@ def state(index: Index) -> bytes:
 
 
 class _StatePickler(pickle.Pickler):
-    """Pickles a block store (compiled or not) as its contents, in order."""
+    """Pickles a block store (compiled or not) as its contents, in order, and
+    an answer shape (derived from the owners, made when a query needs it) as
+    nothing."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, PyBlockStore) or type(obj).__name__ == "BlockStore":
             return list, (_canonical(obj.dump()),)
+        if isinstance(obj, PyAnswerShape) or type(obj).__name__ == "AnswerShape":
+            return type(None), ()
         return NotImplemented
 
 

@@ -23,6 +23,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::count_map::CountMap;
+
 const DEVICE: usize = 0;
 const HOST: usize = 1;
 const DISK: usize = 2;
@@ -235,7 +237,7 @@ trait Holder {
 struct OwnerTier<'a> {
     set: &'a mut HashSet<u64>,
     /// The tier's masks for the owner's 64-slot word.
-    masks: &'a mut HashMap<u64, u64>,
+    masks: &'a mut CountMap,
     /// (tier, identity) -> holders beyond the first.
     dups: &'a mut HashMap<(u8, u64), u32>,
     tier: u8,
@@ -253,11 +255,8 @@ impl Holder for OwnerTier<'_> {
     }
 
     fn count(&mut self, _: u64, ident: u64) -> PyResult<()> {
-        let m = self.masks.entry(ident).or_insert(0);
-        if *m & self.bit != 0 {
+        if self.masks.or(ident, self.bit) & self.bit != 0 {
             *self.dups.entry((self.tier, ident)).or_insert(0) += 1;
-        } else {
-            *m |= self.bit;
         }
         Ok(())
     }
@@ -269,18 +268,15 @@ impl Holder for OwnerTier<'_> {
             } else {
                 *o.get_mut() -= 1;
             }
-        } else if let Entry::Occupied(mut o) = self.masks.entry(ident) {
-            *o.get_mut() &= !self.bit;
-            if *o.get() == 0 {
-                o.remove();
-            }
+        } else {
+            self.masks.clear_bits(ident, self.bit);
         }
     }
 }
 
 struct PoolBlocks<'a, 'py> {
     set: &'a mut HashSet<u64>,
-    counts: &'a mut HashMap<u64, u32>,
+    counts: &'a mut CountMap,
     /// Where newly held hashes are reported.
     placed_out: Option<&'a Bound<'py, PyList>>,
 }
@@ -296,7 +292,7 @@ impl Holder for PoolBlocks<'_, '_> {
     }
 
     fn count(&mut self, seq: u64, ident: u64) -> PyResult<()> {
-        *self.counts.entry(ident).or_insert(0) += 1;
+        self.counts.increment(ident);
         if let Some(out) = self.placed_out {
             out.append(seq)?;
         }
@@ -304,13 +300,7 @@ impl Holder for PoolBlocks<'_, '_> {
     }
 
     fn uncount(&mut self, ident: u64) {
-        if let Entry::Occupied(mut o) = self.counts.entry(ident) {
-            if *o.get() == 1 {
-                o.remove();
-            } else {
-                *o.get_mut() -= 1;
-            }
-        }
+        self.counts.decrement(ident);
     }
 }
 
@@ -524,7 +514,25 @@ impl Prompt<'_, '_> {
         self.idents.push(id);
         Ok(Some(id))
     }
+
+    /// The identities of blocks `from..`, up to `GATHER` of them (none past
+    /// the prompt's end).
+    fn chunk(&mut self, from: usize) -> PyResult<&[u64]> {
+        let to = (from + GATHER).min(self.len);
+        if self.idents.len() < to {
+            for i in self.idents.len()..to {
+                self.get(i)?;
+            }
+        }
+        Ok(&self.idents[from.min(to)..to])
+    }
 }
+
+/// Blocks whose map probes a walk issues together: each probe of a large
+/// index is a likely cache miss, and independent probes overlap them (at
+/// four million entries a serial walk spent most of its time waiting on
+/// memory). A chunk past a prefix's end costs a few wasted probes.
+const GATHER: usize = 16;
 
 /// The blocks each of a word's slots matched, per tier (GPU, CPU, DISK).
 type Ends = [[u32; 64]; 3];
@@ -536,12 +544,18 @@ fn ended(mut bits: u64, at: usize, into: &mut [u32; 64]) {
     }
 }
 
-fn probe(m: Option<&HashMap<u64, u64>>, id: u64) -> u64 {
-    m.and_then(|m| m.get(&id)).copied().unwrap_or(0)
+fn probe(m: Option<&CountMap>, id: u64) -> u64 {
+    m.map_or(0, |m| m.get(id))
 }
 
-fn pooled(m: Option<&HashMap<u64, u32>>, id: u64) -> bool {
-    m.is_some_and(|m| m.contains_key(&id))
+fn pooled(m: Option<&CountMap>, id: u64) -> bool {
+    m.is_some_and(|m| m.contains(id))
+}
+
+fn prefetch(m: Option<&CountMap>, id: u64) {
+    if let Some(m) = m {
+        m.prefetch(id);
+    }
 }
 
 // -------------------------------------------------------------------- store
@@ -561,8 +575,8 @@ struct Pool {
 pub struct BlockStore {
     cat: Catalog,
     /// Per tier, per 64-slot word: identity -> the word's owner bits.
-    masks: [Vec<HashMap<u64, u64>>; TIERS],
-    pool_counts: [HashMap<u64, u32>; TIERS],
+    masks: [Vec<CountMap>; TIERS],
+    pool_counts: [CountMap; TIERS],
     owners: HashMap<usize, Owner>,
     pools: HashMap<i64, Pool>,
 }
@@ -629,8 +643,8 @@ impl BlockStore {
         prompt: &mut Prompt<'_, '_>,
         listed: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
-        let device_only = self.masks[HOST].iter().all(HashMap::is_empty)
-            && self.masks[DISK].iter().all(HashMap::is_empty)
+        let device_only = self.masks[HOST].iter().all(CountMap::is_empty)
+            && self.masks[DISK].iter().all(CountMap::is_empty)
             && self.pool_counts[HOST].is_empty()
             && self.pool_counts[DISK].is_empty();
         let mut out = Vec::new();
@@ -653,7 +667,7 @@ impl BlockStore {
         Ok(out)
     }
 
-    fn word_masks(&self, tier: usize, w: usize) -> Option<&HashMap<u64, u64>> {
+    fn word_masks(&self, tier: usize, w: usize) -> Option<&CountMap> {
         self.masks[tier].get(w).filter(|m| !m.is_empty())
     }
 
@@ -661,18 +675,31 @@ impl BlockStore {
     fn walk_device(&self, prompt: &mut Prompt<'_, '_>, w: usize, listed: u64) -> PyResult<Ends> {
         let dev = self.word_masks(DEVICE, w);
         let mut ends: Ends = [[0; 64]; 3];
+        let mut got = [0u64; GATHER];
         let mut g = listed;
         let mut i = 0;
-        while let Some(id) = prompt.get(i)? {
-            let ng = g & probe(dev, id);
-            if ng != g {
-                ended(g ^ ng, i, &mut ends[0]);
-                g = ng;
-                if g == 0 {
-                    break;
+        'walk: loop {
+            let ids = prompt.chunk(i)?;
+            if ids.is_empty() {
+                break;
+            }
+            for &id in ids {
+                prefetch(dev, id);
+            }
+            for (m, &id) in got.iter_mut().zip(ids) {
+                *m = probe(dev, id);
+            }
+            for (j, &m) in got[..ids.len()].iter().enumerate() {
+                let ng = g & m;
+                if ng != g {
+                    ended(g ^ ng, i + j, &mut ends[0]);
+                    g = ng;
+                    if g == 0 {
+                        break 'walk;
+                    }
                 }
             }
-            i += 1;
+            i += ids.len();
         }
         ended(g, i, &mut ends[0]);
         ends[1] = ends[0];
@@ -680,50 +707,61 @@ impl BlockStore {
         Ok(ends)
     }
 
-    /// The still-matching owners of each tier as bits (g ⊆ c ⊆ d); each
-    /// probe is a likely cache miss, so only the ones that can change an
-    /// outcome are made: lower tiers only for owners off the device prefix,
-    /// pools only where the owner maps leave some owner unserved.
+    /// The still-matching owners of each tier as bits (g ⊆ c ⊆ d). Device
+    /// and own-host masks are gathered a chunk at a time (see `GATHER`);
+    /// the rarer probes only where they can change an outcome: disk for
+    /// owners off both, pools only where the owner maps leave some owner
+    /// unserved.
     fn walk_tiers(&self, prompt: &mut Prompt<'_, '_>, w: usize, listed: u64) -> PyResult<Ends> {
         let (dev, host, disk) =
             (self.word_masks(DEVICE, w), self.word_masks(HOST, w), self.word_masks(DISK, w));
         let pool_host = Some(&self.pool_counts[HOST]).filter(|m| !m.is_empty());
         let pool_disk = Some(&self.pool_counts[DISK]).filter(|m| !m.is_empty());
         let mut ends: Ends = [[0; 64]; 3];
+        let mut got = [(0u64, 0u64); GATHER];
         let (mut g, mut c, mut d) = (listed, listed, listed);
         let mut i = 0;
-        while let Some(id) = prompt.get(i)? {
-            let ng = if g != 0 { g & probe(dev, id) } else { 0 };
-            // Owners that need a lower tier for this block.
-            let need = d & !ng;
-            let (nc, nd) = if need == 0 {
-                (c, d)
-            } else {
-                let h = probe(host, id);
-                if need & !h == 0 || pooled(pool_host, id) {
+        'walk: loop {
+            let ids = prompt.chunk(i)?;
+            if ids.is_empty() {
+                break;
+            }
+            for &id in ids {
+                prefetch(dev, id);
+                prefetch(host, id);
+            }
+            for (m, &id) in got.iter_mut().zip(ids) {
+                *m = (probe(dev, id), probe(host, id));
+            }
+            for (j, (&(dm, h), &id)) in got.iter().zip(ids).enumerate() {
+                let ng = g & dm;
+                // Owners that need a lower tier for this block.
+                let need = d & !ng;
+                let (nc, nd) = if need == 0 || need & !h == 0 || pooled(pool_host, id) {
                     (c, d)
                 } else {
                     let k = h | probe(disk, id);
                     let nd = if need & !k == 0 || pooled(pool_disk, id) { d } else { ng | (d & k) };
                     (ng | (c & h), nd)
+                };
+                let at = i + j;
+                if ng != g {
+                    ended(g ^ ng, at, &mut ends[0]);
+                    g = ng;
                 }
-            };
-            if ng != g {
-                ended(g ^ ng, i, &mut ends[0]);
-                g = ng;
-            }
-            if nc != c {
-                ended(c ^ nc, i, &mut ends[1]);
-                c = nc;
-            }
-            if nd != d {
-                ended(d ^ nd, i, &mut ends[2]);
-                d = nd;
-                if d == 0 {
-                    break;
+                if nc != c {
+                    ended(c ^ nc, at, &mut ends[1]);
+                    c = nc;
+                }
+                if nd != d {
+                    ended(d ^ nd, at, &mut ends[2]);
+                    d = nd;
+                    if d == 0 {
+                        break 'walk;
+                    }
                 }
             }
-            i += 1;
+            i += ids.len();
         }
         ended(g, i, &mut ends[0]);
         ended(c, i, &mut ends[1]);
@@ -739,7 +777,7 @@ impl BlockStore {
         BlockStore {
             cat: Catalog::new(max_retired, max_age_s),
             masks: [Vec::new(), Vec::new(), Vec::new()],
-            pool_counts: [HashMap::new(), HashMap::new(), HashMap::new()],
+            pool_counts: Default::default(),
             owners: HashMap::new(),
             pools: HashMap::new(),
         }
@@ -773,7 +811,7 @@ impl BlockStore {
     }
 
     fn pool_holds(&self, ident: u64) -> bool {
-        self.pool_counts[HOST].contains_key(&ident) || self.pool_counts[DISK].contains_key(&ident)
+        self.pool_counts[HOST].contains(ident) || self.pool_counts[DISK].contains(ident)
     }
 
     fn content_len(&self) -> usize {
@@ -822,7 +860,7 @@ impl BlockStore {
         }
         for m in &mut self.masks {
             if m.len() <= slot >> 6 {
-                m.resize_with((slot >> 6) + 1, HashMap::new);
+                m.resize_with((slot >> 6) + 1, CountMap::default);
             }
         }
         let owner = Owner { tiers: Default::default(), dups: HashMap::new() };
@@ -1012,7 +1050,7 @@ impl BlockStore {
         for tier in &self.masks {
             let mut joined: HashMap<u64, Vec<u64>> = HashMap::new();
             for (w, word) in tier.iter().enumerate() {
-                for (&ident, &bits) in word {
+                for (ident, bits) in word.iter() {
                     joined.entry(ident).or_insert_with(|| vec![0; tier.len()])[w] = bits;
                 }
             }

@@ -1,0 +1,90 @@
+"""The contract's answer (section 4) from per-slot matched lengths.
+
+A namespace's owners change rarely and queries come often, so what the
+answer needs of them (instances in name order, each one's ranks in rank
+order with their slots and their `DP` keys) is laid out once per change of
+owners, as an `AnswerShape`. Two builds, like the block store's: the
+compiled one (`kernel/src/shape.rs`), which makes the answer's dicts without
+an interpreter loop (at 122 instances it was a third of a query's time), and
+`PyAnswerShape`, the reference (tests/test_answer_shape.py holds them equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvconductor.block_store import Matched
+from kvconductor.kernel import KERNEL
+from kvconductor.query_wire import QueryResponse
+
+# Per instance, in name order: its name and its (rank, slot)s in rank order.
+Layout = Sequence[tuple[str, Sequence[tuple[int, int]]]]
+
+
+class AnswerShape(Protocol):
+    def shape(
+        self, tenant: str, lengths: Matched, block_size: int, hits_only: bool
+    ) -> QueryResponse:
+        """`{tenant: {instance: row}}` (or `{}` when no instance is listed)
+        for the owners in `lengths`, `(slot, GPU, CPU, DISK)` in blocks;
+        each instance's row is its best rank's (largest DISK, then GPU, then
+        CPU, then the lowest rank), with every listed rank's DISK under
+        `DP`, in tokens. `hits_only`: owners that matched no block are left
+        out (as if unlisted)."""
+
+
+class PyAnswerShape:
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: Layout) -> None:
+        # DP keys made once, not per query.
+        self.layout = [(name, [(str(r), slot) for r, slot in ranks]) for name, ranks in layout]
+
+    def shape(
+        self, tenant: str, lengths: Matched, block_size: int, hits_only: bool
+    ) -> QueryResponse:
+        bs = block_size
+        by_slot = {m[0]: m for m in lengths if m[3] or not hits_only}
+        out: dict[str, dict[str, object]] = {}
+        for name, ranks in self.layout:
+            if len(ranks) == 1:  # most instances: one rank, nothing to choose
+                key, slot = ranks[0]
+                m = by_slot.get(slot)
+                if m is None:
+                    continue
+                d = m[3] * bs
+                out[name] = {
+                    "longest_matched": d,
+                    "GPU": m[1] * bs,
+                    "CPU": m[2] * bs,
+                    "DISK": d,
+                    "DP": {key: d},
+                }
+                continue
+            dp: dict[str, int] = {}
+            best: tuple[int, int, int, int] | None = None
+            for key, slot in ranks:
+                m = by_slot.get(slot)
+                if m is None:
+                    continue
+                dp[key] = m[3] * bs
+                if best is None or (m[3], m[1], m[2]) > (best[3], best[1], best[2]):
+                    best = m
+            if best is None:
+                continue
+            out[name] = {
+                "longest_matched": best[3] * bs,
+                "GPU": best[1] * bs,
+                "CPU": best[2] * bs,
+                "DISK": best[3] * bs,
+                "DP": dp,
+            }
+        return {tenant: out} if out else {}
+
+
+def new_shape(layout: Layout) -> AnswerShape:
+    """The compiled shape when the kernel is built, else the reference."""
+    if KERNEL is not None:
+        return KERNEL.AnswerShape(layout)
+    return PyAnswerShape(layout)
