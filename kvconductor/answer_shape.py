@@ -5,7 +5,8 @@ answer needs of them (instances in name order, each one's ranks in rank
 order with their slots and their `DP` keys) is laid out once per change of
 owners, as an `AnswerShape`. Two builds, like the block store's: the
 compiled one (`kernel/src/shape.rs`), which makes the answer's dicts without
-an interpreter loop (at 122 instances it was a third of a query's time), and
+an interpreter loop (at 122 instances it was a third of a query's time) and
+writes the HTTP API's JSON answer without making them at all, and
 `PyAnswerShape`, the reference (tests/test_answer_shape.py holds them equal).
 """
 
@@ -14,18 +15,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
+
 from kvconductor.block_store import Matched
 from kvconductor.kernel import KERNEL
 from kvconductor.query_wire import QueryResponse
 
 # Per instance, in name order: its name and its (rank, slot)s in rank order.
 Layout = Sequence[tuple[str, Sequence[tuple[int, int]]]]
+# The compiled build's: each name also as JSON (msgspec's, quotes included).
+EncodedLayout = Sequence[tuple[str, bytes, Sequence[tuple[int, int]]]]
 
 
 class AnswerShape(Protocol):
-    def shape(
-        self, tenant: str, lengths: Matched, block_size: int, hits_only: bool
-    ) -> QueryResponse:
+    """One namespace's owners, as its answers lay them out."""
+
+    def shape(self, lengths: Matched, hits_only: bool) -> QueryResponse:
         """`{tenant: {instance: row}}` (or `{}` when no instance is listed)
         for the owners in `lengths`, `(slot, GPU, CPU, DISK)` in blocks;
         each instance's row is its best rank's (largest DISK, then GPU, then
@@ -33,18 +38,25 @@ class AnswerShape(Protocol):
         `DP`, in tokens. `hits_only`: owners that matched no block are left
         out (as if unlisted)."""
 
+    def shape_json(self, lengths: Matched) -> bytes:
+        """`shape(lengths, False)` as the JSON `msgspec.json.encode` makes
+        of it, byte for byte (the HTTP API's answer, without the dicts)."""
+
 
 class PyAnswerShape:
-    __slots__ = ("layout",)
+    __slots__ = ("block_size", "layout", "tenant")
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, tenant: str, block_size: int, layout: Layout) -> None:
+        self.tenant = tenant
+        self.block_size = block_size
         # DP keys made once, not per query.
         self.layout = [(name, [(str(r), slot) for r, slot in ranks]) for name, ranks in layout]
 
-    def shape(
-        self, tenant: str, lengths: Matched, block_size: int, hits_only: bool
-    ) -> QueryResponse:
-        bs = block_size
+    def shape_json(self, lengths: Matched) -> bytes:
+        return msgspec.json.encode(self.shape(lengths, False))
+
+    def shape(self, lengths: Matched, hits_only: bool) -> QueryResponse:
+        bs = self.block_size
         by_slot = {m[0]: m for m in lengths if m[3] or not hits_only}
         out: dict[str, dict[str, object]] = {}
         for name, ranks in self.layout:
@@ -80,11 +92,17 @@ class PyAnswerShape:
                 "DISK": best[3] * bs,
                 "DP": dp,
             }
-        return {tenant: out} if out else {}
+        return {self.tenant: out} if out else {}
 
 
-def new_shape(layout: Layout) -> AnswerShape:
+def new_shape(tenant: str, block_size: int, layout: Layout) -> AnswerShape:
     """The compiled shape when the kernel is built, else the reference."""
     if KERNEL is not None:
-        return KERNEL.AnswerShape(layout)
-    return PyAnswerShape(layout)
+        encode = msgspec.json.encode
+        return KERNEL.AnswerShape(
+            tenant,
+            encode(tenant),
+            block_size,
+            [(name, encode(name), ranks) for name, ranks in layout],
+        )
+    return PyAnswerShape(tenant, block_size, layout)

@@ -91,6 +91,10 @@ class Conductor:
     def query_by_hash(self, req: HashQuery) -> QueryResponse:
         return self.index.query(req)
 
+    def query_json(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> bytes:
+        """`query` or `query_by_hash`, answered as the HTTP API's JSON body."""
+        return self.index.query_json(req, packed)
+
     # ----------------------------------------------------------- reading
 
     @property

@@ -54,7 +54,6 @@ from kvconductor.metrics import CONTENT_TYPE, Metrics
 from kvconductor.query_wire import (
     HashQuery,
     InvalidQuery,
-    QueryResponse,
     RawTokenQuery,
     TokenQuery,
 )
@@ -263,22 +262,22 @@ class QueryApi:
         return await self._answer(request, self._hash_query, self._latency_hash)
 
     async def _answer(
-        self, request: web.Request, answer: Callable[[bytes], QueryResponse], latency: Any
+        self, request: web.Request, answer: Callable[[bytes], bytes], latency: Any
     ) -> web.Response:
         body = await self._body(request)
         start = perf_counter()
         try:
-            return web.Response(body=_encoder.encode(answer(body)), content_type=JSON)
+            return web.Response(body=answer(body), content_type=JSON)
         finally:
             latency.observe(perf_counter() - start)
 
-    def _token_query(self, body: bytes) -> QueryResponse:
+    def _token_query(self, body: bytes) -> bytes:
         raw = _decode(_raw_token_decoder, body)
         packed = tokens_from_json(raw.token_ids)
         if packed is None:
             # Not one array of token ids in [0, 2**32): the typed decoder
             # says why, or takes it and the index says why.
-            return self._run(self.conductor.query, _decode(_token_decoder, body))
+            return self._run(self.conductor.query_json, _decode(_token_decoder, body))
         req = TokenQuery(
             raw.model,
             raw.block_size,
@@ -288,13 +287,13 @@ class QueryApi:
             raw.instance_id,
             raw.cache_salt,
         )
-        return self._run(lambda r: self.conductor.query(r, packed), req)
+        return self._run(lambda r: self.conductor.query_json(r, packed), req)
 
-    def _hash_query(self, body: bytes) -> QueryResponse:
-        return self._run(self.conductor.query_by_hash, _decode(_hash_decoder, body))
+    def _hash_query(self, body: bytes) -> bytes:
+        return self._run(self.conductor.query_json, _decode(_hash_decoder, body))
 
     @staticmethod
-    def _run(fn: Callable[[Any], QueryResponse], req: TokenQuery | HashQuery) -> QueryResponse:
+    def _run(fn: Callable[[Any], bytes], req: TokenQuery | HashQuery) -> bytes:
         try:
             return fn(req)
         except InvalidQuery as exc:

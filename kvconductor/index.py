@@ -23,7 +23,7 @@ from kvconductor.events import (
 )
 from kvconductor.media import DEVICE, TIER_NAMES, engine_tier, pool_medium_name, pool_tier
 from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
-from kvconductor.query import namespace_of, run_query
+from kvconductor.query import namespace_of, run_query, run_query_json
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
 
@@ -392,9 +392,20 @@ class Index:
 
     def query(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> QueryResponse:
         """`packed`: see `query.run_query`."""
+        return run_query(*self._namespaces_of(req), packed)
+
+    def query_json(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> bytes:
+        """`query`'s answer as JSON (`query.run_query_json`)."""
+        return run_query_json(*self._namespaces_of(req), packed)
+
+    def _namespaces_of(
+        self, req: TokenQuery | HashQuery
+    ) -> tuple[NamespaceIndex | None, TokenQuery | HashQuery, NamespaceIndex | None]:
+        """The query's namespace, the query, and its salted namespace's
+        unsalted twin (see `query.run_query`)."""
         key = namespace_of(req)
         salted = self.namespaces.get(key._replace(salt="")) if key.salt else None
-        return run_query(self.namespaces.get(key), req, salted, packed)
+        return self.namespaces.get(key), req, salted
 
     def is_empty(self) -> bool:
         return not self.namespaces

@@ -16,7 +16,7 @@ import msgspec
 
 if TYPE_CHECKING:
     # block_store and answer_shape import this module for KERNEL: types only.
-    from kvconductor.answer_shape import AnswerShape, Layout
+    from kvconductor.answer_shape import AnswerShape, EncodedLayout
     from kvconductor.block_store import BlockStore as Store
 
 
@@ -28,7 +28,9 @@ class Kernel(Protocol):
 
     def BlockStore(self, max_retired: int, max_age_s: float) -> Store: ...
 
-    def AnswerShape(self, layout: Layout) -> AnswerShape: ...
+    def AnswerShape(
+        self, tenant: str, tenant_json: bytes, block_size: int, layout: EncodedLayout
+    ) -> AnswerShape: ...
 
     def pack_tokens(self, tokens: Sequence[int]) -> bytes: ...
 

@@ -299,6 +299,8 @@ class NamespaceIndex:
         """The owners as a query answer lays them out."""
         if self._shape is None:
             self._shape = new_shape(
+                self.key.tenant,
+                self.block_size,
                 [
                     (name, [(rank, o.slot) for rank, o in sorted(ranks.items())])
                     for name, ranks in sorted(self.owners.items())

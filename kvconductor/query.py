@@ -19,13 +19,14 @@ checks and the salted namespace's merge.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+import msgspec
 
 from kvconductor.block_store import Matched
 from kvconductor.hashing import MASK64, extra_keys_fingerprint, pack_tokens
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
+
+_encoder = msgspec.json.Encoder()
 
 
 def namespace_of(req: TokenQuery | HashQuery) -> NamespaceKey:
@@ -51,15 +52,6 @@ def packed_prompt(req: TokenQuery) -> bytes:
         raise InvalidQuery("token_ids must be integers in [0, 2**32)") from exc
 
 
-class Packed(NamedTuple):
-    """A prompt's full blocks as packed tokens, hashed lazily from `seed`
-    (the namespace seed, xor-ed with a per-request salt's fingerprint: only
-    block 0 is hashed from the seed, so that is where an engine mixes it)."""
-
-    data: bytes
-    seed: int
-
-
 def normalise_query_hash(value: int | str) -> int:
     if isinstance(value, int):
         if not -(1 << 63) <= value <= MASK64:
@@ -71,11 +63,16 @@ def normalise_query_hash(value: int | str) -> int:
         raise InvalidQuery("a string seq_hash must be the hex of a digest") from exc
 
 
-def match(ns: NamespaceIndex, prompt: Packed | list[int], listed: int) -> Matched:
-    """Per listed owner slot: (slot, GPU, CPU, DISK) matched lengths in blocks."""
-    if isinstance(prompt, Packed):
-        return ns.store.match_tokens(prompt.data, ns.block_size, prompt.seed, listed)
-    return ns.store.match_identities(prompt, listed)
+def match(ns: NamespaceIndex, prompt: bytes | list[int], listed: int, salt: int = 0) -> Matched:
+    """Per listed owner slot: (slot, GPU, CPU, DISK) matched lengths in blocks.
+
+    `prompt`: packed tokens of whole blocks, hashed lazily from the
+    namespace seed xor-ed with `salt` (a per-request salt's fingerprint:
+    only block 0 is hashed from the seed, so that is where an engine mixes
+    it); or engine block hashes."""
+    if isinstance(prompt, bytes):
+        return ns.store.match_tokens(prompt, ns.block_size, ns.seed ^ salt, listed)
+    return ns.store.match_identities(ns.identities_of(prompt), listed)
 
 
 def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:
@@ -105,32 +102,52 @@ def run_query(
     `packed`: a token query's prompt already packed (`pack_tokens`), in
     place of its `token_ids`: the HTTP server packs it straight from the
     request's JSON."""
-    if isinstance(req, TokenQuery):
-        data = packed_prompt(req) if packed is None else packed
-        answer = _answer(ns, req, lambda n: Packed(data, n.seed))
-        if salted is not None and req.cache_salt:
-            fp = extra_keys_fingerprint([req.cache_salt])
-            extra = _answer(salted, req, lambda n: Packed(data, n.seed ^ fp), True)
-            answer = _merge(answer, extra)
-        return answer
-    # Engine hashes already cover a per-request salt: no second namespace.
-    hashes = [normalise_query_hash(h) for h in req.seq_hashes]
-    return _answer(ns, req, lambda n: n.identities_of(hashes))
+    prompt = _prompt(req, packed)
+    found = _matched(ns, req, prompt)
+    answer = {} if found is None else found[0].answer_shape().shape(found[1], False)
+    if salted is not None and isinstance(req, TokenQuery) and req.cache_salt:
+        fp = extra_keys_fingerprint([req.cache_salt])
+        extra = _matched(salted, req, prompt, fp)
+        if extra is not None:
+            answer = _merge(answer, extra[0].answer_shape().shape(extra[1], True))
+    return answer
 
 
-def _answer(
+def run_query_json(
     ns: NamespaceIndex | None,
     req: TokenQuery | HashQuery,
-    prompt: Callable[[NamespaceIndex], Packed | list[int]],
-    hits_only: bool = False,
-) -> QueryResponse:
+    salted: NamespaceIndex | None = None,
+    packed: bytes | None = None,
+) -> bytes:
+    """`run_query`'s answer as the JSON body the HTTP API sends, written
+    straight from the matched lengths (an answer's dicts cost more than the
+    walk at a hundred instances), unless two namespaces' answers merge."""
+    if salted is not None and isinstance(req, TokenQuery) and req.cache_salt:
+        return _encoder.encode(run_query(ns, req, salted, packed))
+    found = _matched(ns, req, _prompt(req, packed))
+    if found is None:
+        return b"{}"
+    return found[0].answer_shape().shape_json(found[1])
+
+
+def _prompt(req: TokenQuery | HashQuery, packed: bytes | None) -> bytes | list[int]:
+    """The prompt `match` takes, validated."""
+    if isinstance(req, TokenQuery):
+        return packed_prompt(req) if packed is None else packed
+    # Engine hashes already cover a per-request salt: no second namespace.
+    return [normalise_query_hash(h) for h in req.seq_hashes]
+
+
+def _matched(
+    ns: NamespaceIndex | None, req: TokenQuery | HashQuery, prompt: bytes | list[int], salt: int = 0
+) -> tuple[NamespaceIndex, Matched] | None:
+    """The namespace and its listed owners' lengths; None if none is listed."""
     if ns is None:
-        return {}
+        return None
     listed = listed_bits(ns, req.instance_id)
     if not listed:
-        return {}
-    lengths = match(ns, prompt(ns), listed)
-    return ns.answer_shape().shape(ns.key.tenant, lengths, ns.block_size, hits_only)
+        return None
+    return ns, match(ns, prompt, listed, salt)
 
 
 def _merge(a: QueryResponse, b: QueryResponse) -> QueryResponse:

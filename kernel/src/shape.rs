@@ -1,60 +1,45 @@
 //! `AnswerShape`: `kvconductor/answer_shape.py`'s `PyAnswerShape`, compiled.
-//! The answer's dicts are made here with interned keys and the owners'
-//! names and `DP` keys made once per layout, not once per query.
+//! The answer is made here, as dicts with interned keys or as the JSON the
+//! HTTP API sends, with the owners' names and `DP` keys made once per
+//! layout, not once per query.
+
+use std::io::Write;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 struct Rank {
     slot: usize,
+    rank: i64,
     key: Py<PyString>,
 }
 
 struct Instance {
     name: Py<PyString>,
+    /// The name as a JSON string, quotes included (msgspec's encoding).
+    name_json: Vec<u8>,
     ranks: Vec<Rank>,
 }
 
-/// Per instance, in name order: its name and its (rank, slot)s in rank order.
-type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<(i64, usize)>)>;
+/// Per instance, in name order: its name, the name as JSON, and its
+/// (rank, slot)s in rank order.
+type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<u8>, Vec<(i64, usize)>)>;
 
 /// Blocks matched by one owner: GPU, CPU, DISK.
 type Lengths = (u64, u64, u64);
 
 #[pyclass(frozen, module = "kvconductor._kernel")]
 pub struct AnswerShape {
+    tenant: Py<PyString>,
+    tenant_json: Vec<u8>,
+    block_size: u64,
     instances: Vec<Instance>,
     slots: usize,
 }
 
-#[pymethods]
 impl AnswerShape {
-    #[new]
-    fn new(layout: Layout<'_>) -> PyResult<Self> {
-        let mut slots = 0;
-        let mut instances = Vec::with_capacity(layout.len());
-        for (name, ranks) in layout {
-            let py = name.py();
-            let ranks = ranks
-                .into_iter()
-                .map(|(rank, slot)| {
-                    slots = slots.max(slot + 1);
-                    Rank { slot, key: PyString::new(py, &rank.to_string()).unbind() }
-                })
-                .collect();
-            instances.push(Instance { name: name.unbind(), ranks });
-        }
-        Ok(AnswerShape { instances, slots })
-    }
-
-    fn shape<'py>(
-        &self,
-        py: Python<'py>,
-        tenant: &Bound<'py, PyString>,
-        lengths: &Bound<'py, PyList>,
-        block_size: u64,
-        hits_only: bool,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    /// Per slot, the listed owners' lengths.
+    fn by_slot(&self, lengths: &Bound<'_, PyList>, hits_only: bool) -> PyResult<Vec<Option<Lengths>>> {
         let mut by_slot: Vec<Option<Lengths>> = vec![None; self.slots];
         for item in lengths.iter() {
             let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
@@ -62,6 +47,57 @@ impl AnswerShape {
                 by_slot[slot] = Some((g, c, d));
             }
         }
+        Ok(by_slot)
+    }
+
+    /// Each listed instance with its listed ranks' lengths and its best
+    /// rank's: largest DISK, then GPU, then CPU; ties keep the lower rank.
+    fn rows<'s>(
+        &'s self,
+        by_slot: &'s [Option<Lengths>],
+    ) -> impl Iterator<Item = (&'s Instance, Lengths, impl Iterator<Item = (&'s Rank, Lengths)>)> {
+        self.instances.iter().filter_map(move |inst| {
+            let listed = move || inst.ranks.iter().filter_map(move |r| by_slot[r.slot].map(|m| (r, m)));
+            let best = listed().map(|(_, m)| m).reduce(|b, m| {
+                if (m.2, m.0, m.1) > (b.2, b.0, b.1) {
+                    m
+                } else {
+                    b
+                }
+            })?;
+            Some((inst, best, listed()))
+        })
+    }
+}
+
+#[pymethods]
+impl AnswerShape {
+    #[new]
+    fn new(tenant: Bound<'_, PyString>, tenant_json: Vec<u8>, block_size: u64, layout: Layout<'_>) -> Self {
+        let mut slots = 0;
+        let mut instances = Vec::with_capacity(layout.len());
+        for (name, name_json, ranks) in layout {
+            let py = name.py();
+            let ranks = ranks
+                .into_iter()
+                .map(|(rank, slot)| {
+                    slots = slots.max(slot + 1);
+                    Rank { slot, rank, key: PyString::new(py, &rank.to_string()).unbind() }
+                })
+                .collect();
+            instances.push(Instance { name: name.unbind(), name_json, ranks });
+        }
+        AnswerShape { tenant: tenant.unbind(), tenant_json, block_size, instances, slots }
+    }
+
+    fn shape<'py>(
+        &self,
+        py: Python<'py>,
+        lengths: &Bound<'py, PyList>,
+        hits_only: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let by_slot = self.by_slot(lengths, hits_only)?;
+        let bs = self.block_size;
         let keys = [
             pyo3::intern!(py, "longest_matched"),
             pyo3::intern!(py, "GPU"),
@@ -70,33 +106,53 @@ impl AnswerShape {
             pyo3::intern!(py, "DP"),
         ];
         let out = PyDict::new(py);
-        for inst in &self.instances {
-            if inst.ranks.iter().all(|r| by_slot[r.slot].is_none()) {
-                continue; // not listed
-            }
+        for (inst, (g, c, d), ranks) in self.rows(&by_slot) {
             let dp = PyDict::new(py);
-            let mut best: Option<Lengths> = None;
-            for rank in &inst.ranks {
-                let Some(m) = by_slot[rank.slot] else { continue };
-                dp.set_item(rank.key.bind(py), m.2 * block_size)?;
-                // Largest DISK, then GPU, then CPU; ties keep the lower rank.
-                if best.is_none_or(|b| (m.2, m.0, m.1) > (b.2, b.0, b.1)) {
-                    best = Some(m);
-                }
+            for (rank, m) in ranks {
+                dp.set_item(rank.key.bind(py), m.2 * bs)?;
             }
-            let Some((g, c, d)) = best else { continue };
             let row = PyDict::new(py);
-            row.set_item(keys[0], d * block_size)?;
-            row.set_item(keys[1], g * block_size)?;
-            row.set_item(keys[2], c * block_size)?;
-            row.set_item(keys[3], d * block_size)?;
+            row.set_item(keys[0], d * bs)?;
+            row.set_item(keys[1], g * bs)?;
+            row.set_item(keys[2], c * bs)?;
+            row.set_item(keys[3], d * bs)?;
             row.set_item(keys[4], dp)?;
             out.set_item(inst.name.bind(py), row)?;
         }
         let answer = PyDict::new(py);
         if !out.is_empty() {
-            answer.set_item(tenant, out)?;
+            answer.set_item(self.tenant.bind(py), out)?;
         }
         Ok(answer)
+    }
+
+    /// `shape`'s answer (with every listed owner) as the JSON msgspec
+    /// writes for it.
+    fn shape_json<'py>(&self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
+        let by_slot = self.by_slot(lengths, false)?;
+        let bs = self.block_size;
+        let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * self.instances.len());
+        for (inst, (g, c, d), ranks) in self.rows(&by_slot) {
+            out.push(if out.is_empty() { b'{' } else { b',' });
+            out.extend_from_slice(&inst.name_json);
+            let (g, c, d) = (g * bs, c * bs, d * bs);
+            // Writes to a Vec cannot fail.
+            let _ = write!(out, ":{{\"longest_matched\":{d},\"GPU\":{g},\"CPU\":{c},\"DISK\":{d},\"DP\":{{");
+            for (i, (rank, m)) in ranks.enumerate() {
+                let sep = if i == 0 { "" } else { "," };
+                let _ = write!(out, "{sep}\"{}\":{}", rank.rank, m.2 * bs);
+            }
+            out.extend_from_slice(b"}}");
+        }
+        if out.is_empty() {
+            return Ok(PyBytes::new(py, b"{}"));
+        }
+        let mut answer = Vec::with_capacity(out.len() + self.tenant_json.len() + 4);
+        answer.push(b'{');
+        answer.extend_from_slice(&self.tenant_json);
+        answer.push(b':');
+        answer.extend_from_slice(&out);
+        answer.extend_from_slice(b"}}");
+        Ok(PyBytes::new(py, &answer))
     }
 }
