@@ -636,31 +636,64 @@ impl BlockStore {
         (seqs, idents)
     }
 
-    /// The walk of `PyBlockStore._match`, one 64-slot word at a time (the
-    /// words are independent; the prompt's identities are computed once).
+    /// The walk of `PyBlockStore._match`: the listed 64-slot words walk the
+    /// prompt together, a chunk of blocks at a time, so that every word's
+    /// probes of a chunk are in flight at once (see `GATHER`).
     fn matched(
         &self,
         prompt: &mut Prompt<'_, '_>,
         listed: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
-        let device_only = self.masks[HOST].iter().all(CountMap::is_empty)
-            && self.masks[DISK].iter().all(CountMap::is_empty)
-            && self.pool_counts[HOST].is_empty()
-            && self.pool_counts[DISK].is_empty();
-        let mut out = Vec::new();
-        for (w, &l) in int_words(listed)?.iter().enumerate() {
-            if l == 0 {
-                continue;
+        let pool_host = Some(&self.pool_counts[HOST]).filter(|m| !m.is_empty());
+        let pool_disk = Some(&self.pool_counts[DISK]).filter(|m| !m.is_empty());
+        let mut words: Vec<Word<'_>> = int_words(listed)?
+            .into_iter()
+            .enumerate()
+            .filter(|&(_, l)| l != 0)
+            .map(|(w, l)| Word {
+                w,
+                listed: l,
+                dev: self.word_masks(DEVICE, w),
+                host: self.word_masks(HOST, w),
+                disk: self.word_masks(DISK, w),
+                g: l,
+                c: l,
+                d: l,
+                ends: [[0; 64]; 3],
+                got: [(0, 0); GATHER],
+            })
+            .collect();
+        let mut i = 0;
+        loop {
+            let ids = prompt.chunk(i)?;
+            if ids.is_empty() || words.iter().all(|w| w.d == 0) {
+                break;
             }
-            let ends = if device_only {
-                self.walk_device(prompt, w, l)?
-            } else {
-                self.walk_tiers(prompt, w, l)?
-            };
-            let mut bits = l;
+            for word in words.iter().filter(|w| w.d != 0) {
+                for &id in ids {
+                    prefetch(word.dev, id);
+                    prefetch(word.host, id);
+                }
+            }
+            for word in words.iter_mut().filter(|w| w.d != 0) {
+                for (m, &id) in word.got.iter_mut().zip(ids) {
+                    *m = (probe(word.dev, id), probe(word.host, id));
+                }
+                word.step(ids, i, pool_host, pool_disk);
+            }
+            i += ids.len();
+        }
+        let mut out = Vec::new();
+        for word in &mut words {
+            let (g, c, d) = (word.g, word.c, word.d);
+            ended(g, i, &mut word.ends[0]);
+            ended(c, i, &mut word.ends[1]);
+            ended(d, i, &mut word.ends[2]);
+            let mut bits = word.listed;
             while bits != 0 {
                 let b = bits.trailing_zeros() as usize;
-                out.push((w * 64 + b, ends[0][b], ends[1][b], ends[2][b]));
+                let e = &word.ends;
+                out.push((word.w * 64 + b, e[0][b], e[1][b], e[2][b]));
                 bits &= bits - 1;
             }
         }
@@ -670,103 +703,59 @@ impl BlockStore {
     fn word_masks(&self, tier: usize, w: usize) -> Option<&CountMap> {
         self.masks[tier].get(w).filter(|m| !m.is_empty())
     }
+}
 
-    /// Only device tiers hold anything: CPU and DISK equal GPU.
-    fn walk_device(&self, prompt: &mut Prompt<'_, '_>, w: usize, listed: u64) -> PyResult<Ends> {
-        let dev = self.word_masks(DEVICE, w);
-        let mut ends: Ends = [[0; 64]; 3];
-        let mut got = [0u64; GATHER];
-        let mut g = listed;
-        let mut i = 0;
-        'walk: loop {
-            let ids = prompt.chunk(i)?;
-            if ids.is_empty() {
-                break;
-            }
-            for &id in ids {
-                prefetch(dev, id);
-            }
-            for (m, &id) in got.iter_mut().zip(ids) {
-                *m = probe(dev, id);
-            }
-            for (j, &m) in got[..ids.len()].iter().enumerate() {
-                let ng = g & m;
-                if ng != g {
-                    ended(g ^ ng, i + j, &mut ends[0]);
-                    g = ng;
-                    if g == 0 {
-                        break 'walk;
-                    }
-                }
-            }
-            i += ids.len();
-        }
-        ended(g, i, &mut ends[0]);
-        ends[1] = ends[0];
-        ends[2] = ends[0];
-        Ok(ends)
-    }
+/// One 64-slot word's walk: its maps and its still-matching owners of each
+/// tier as bits (g ⊆ c ⊆ d).
+struct Word<'a> {
+    w: usize,
+    listed: u64,
+    dev: Option<&'a CountMap>,
+    host: Option<&'a CountMap>,
+    disk: Option<&'a CountMap>,
+    g: u64,
+    c: u64,
+    d: u64,
+    ends: Ends,
+    /// The chunk's (device, own host) masks, gathered.
+    got: [(u64, u64); GATHER],
+}
 
-    /// The still-matching owners of each tier as bits (g ⊆ c ⊆ d). Device
-    /// and own-host masks are gathered a chunk at a time (see `GATHER`);
-    /// the rarer probes only where they can change an outcome: disk for
-    /// owners off both, pools only where the owner maps leave some owner
-    /// unserved.
-    fn walk_tiers(&self, prompt: &mut Prompt<'_, '_>, w: usize, listed: u64) -> PyResult<Ends> {
-        let (dev, host, disk) =
-            (self.word_masks(DEVICE, w), self.word_masks(HOST, w), self.word_masks(DISK, w));
-        let pool_host = Some(&self.pool_counts[HOST]).filter(|m| !m.is_empty());
-        let pool_disk = Some(&self.pool_counts[DISK]).filter(|m| !m.is_empty());
-        let mut ends: Ends = [[0; 64]; 3];
-        let mut got = [(0u64, 0u64); GATHER];
-        let (mut g, mut c, mut d) = (listed, listed, listed);
-        let mut i = 0;
-        'walk: loop {
-            let ids = prompt.chunk(i)?;
-            if ids.is_empty() {
-                break;
+impl Word<'_> {
+    /// Blocks `at..` (`ids`), their device and host masks in `got`. The
+    /// rarer probes are made only where they can change an outcome: disk
+    /// for owners off both, pools only where the owner maps leave some
+    /// owner unserved. With device tiers only, CPU and DISK equal GPU.
+    fn step(&mut self, ids: &[u64], at: usize, pool_host: Option<&CountMap>, pool_disk: Option<&CountMap>) {
+        let (mut g, mut c, mut d) = (self.g, self.c, self.d);
+        for (j, (&(dm, h), &id)) in self.got.iter().zip(ids).enumerate() {
+            let ng = g & dm;
+            // Owners that need a lower tier for this block.
+            let need = d & !ng;
+            let (nc, nd) = if need == 0 || need & !h == 0 || pooled(pool_host, id) {
+                (c, d)
+            } else {
+                let k = h | probe(self.disk, id);
+                let nd = if need & !k == 0 || pooled(pool_disk, id) { d } else { ng | (d & k) };
+                (ng | (c & h), nd)
+            };
+            if ng != g {
+                ended(g ^ ng, at + j, &mut self.ends[0]);
+                g = ng;
             }
-            for &id in ids {
-                prefetch(dev, id);
-                prefetch(host, id);
+            if nc != c {
+                ended(c ^ nc, at + j, &mut self.ends[1]);
+                c = nc;
             }
-            for (m, &id) in got.iter_mut().zip(ids) {
-                *m = (probe(dev, id), probe(host, id));
-            }
-            for (j, (&(dm, h), &id)) in got.iter().zip(ids).enumerate() {
-                let ng = g & dm;
-                // Owners that need a lower tier for this block.
-                let need = d & !ng;
-                let (nc, nd) = if need == 0 || need & !h == 0 || pooled(pool_host, id) {
-                    (c, d)
-                } else {
-                    let k = h | probe(disk, id);
-                    let nd = if need & !k == 0 || pooled(pool_disk, id) { d } else { ng | (d & k) };
-                    (ng | (c & h), nd)
-                };
-                let at = i + j;
-                if ng != g {
-                    ended(g ^ ng, at, &mut ends[0]);
-                    g = ng;
-                }
-                if nc != c {
-                    ended(c ^ nc, at, &mut ends[1]);
-                    c = nc;
-                }
-                if nd != d {
-                    ended(d ^ nd, at, &mut ends[2]);
-                    d = nd;
-                    if d == 0 {
-                        break 'walk;
-                    }
+            if nd != d {
+                ended(d ^ nd, at + j, &mut self.ends[2]);
+                d = nd;
+                if d == 0 {
+                    break;
                 }
             }
-            i += ids.len();
         }
-        ended(g, i, &mut ends[0]);
-        ended(c, i, &mut ends[1]);
-        ended(d, i, &mut ends[2]);
-        Ok(ends)
+        (self.g, self.c, self.d) = (g, c, d);
     }
 }
 
