@@ -28,7 +28,7 @@ import xxhash
 
 from kvconductor.kernel import KERNEL
 from kvconductor.media import DEVICE, DISK, HOST
-from kvconductor.packing import pack_u64, unpack_u64
+from kvconductor.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
 from kvconductor.pending import RETIRED, PendingKey, PendingQueue
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -70,10 +70,13 @@ class BlockStore(Protocol):
     def retired_version(self) -> int:
         """Changes whenever the retired entries change."""
 
-    def retired_items(self) -> list[tuple[int, int, float]]:
-        """(seq, identity, retired at), oldest first."""
+    def export_retired(self) -> tuple[bytes, bytes, bytes]:
+        """The retired entries oldest first, as packed arrays: sequence
+        hashes and identities (`pack_u64`), times retired (`pack_f64`)."""
 
-    def restore_retired(self, seq: int, ident: int, ts: float) -> None: ...
+    def load_retired(self, seqs: bytes, idents: bytes, ts: bytes) -> None:
+        """Retire `export_retired`'s entries in that order, each unless the
+        catalog knows its hash."""
 
     def clear_retired(self) -> None: ...
 
@@ -258,14 +261,23 @@ class PyBlockStore:
     def retired_version(self) -> int:
         return self.retired.version
 
-    def retired_items(self) -> list[tuple[int, int, float]]:
-        return [(key[1], self.content[key[1]], ts) for key, ts in self.retired]
+    def export_retired(self) -> tuple[bytes, bytes, bytes]:
+        items = [(key[1], ts) for key, ts in self.retired]
+        return (
+            pack_u64(seq for seq, _ in items),
+            pack_u64(self.content[seq] for seq, _ in items),
+            pack_f64(ts for _, ts in items),
+        )
 
-    def restore_retired(self, seq: int, ident: int, ts: float) -> None:
-        if seq not in self.content:
-            # Content first: at a bound of 0 the add evicts it at once.
-            self.content[seq] = ident
-            self.retired.add((RETIRED, seq), ts)
+    def load_retired(self, seqs: bytes, idents: bytes, ts: bytes) -> None:
+        s, i, t = unpack_u64(seqs), unpack_u64(idents), unpack_f64(ts)
+        if not len(s) == len(i) == len(t):
+            raise ValueError("retired arrays of different lengths")
+        for seq, ident, at in zip(s, i, t, strict=True):
+            if seq not in self.content:
+                # Content first: at a bound of 0 the add evicts it at once.
+                self.content[seq] = ident
+                self.retired.add((RETIRED, seq), at)
 
     def clear_retired(self) -> None:
         for key, _ in self.retired:
@@ -564,7 +576,7 @@ class PyBlockStore:
         return {
             "content": dict(self.content),
             "refs": dict(self.refs),
-            "retired": [(seq, ts) for seq, _, ts in self.retired_items()],
+            "retired": [(key[1], ts) for key, ts in self.retired],
             "masks": [dict(m) for m in self.masks],
             "pool_counts": [dict(c) for c in self.pool_counts],
             "owners": {

@@ -304,7 +304,7 @@ class NamespaceIndex:
                 [
                     (name, [(rank, o.slot) for rank, o in sorted(ranks.items())])
                     for name, ranks in sorted(self.owners.items())
-                ]
+                ],
             )
         return self._shape
 

@@ -1,10 +1,12 @@
-"""Arrays of u64 as little-endian bytes: the snapshot format's packed arrays."""
+"""Arrays of u64 and f64 as little-endian bytes: the snapshot format's
+packed arrays."""
 
 from __future__ import annotations
 
 import sys
 from array import array
 from collections.abc import Iterable
+from typing import Any
 
 _SWAP = sys.byteorder != "little"
 
@@ -17,7 +19,22 @@ def pack_u64(values: Iterable[int]) -> bytes:
 
 
 def unpack_u64(data: bytes) -> list[int]:
-    arr = array("Q")
+    return _unpack("Q", data)
+
+
+def pack_f64(values: Iterable[float]) -> bytes:
+    arr = array("d", values)
+    if _SWAP:  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_f64(data: bytes) -> list[float]:
+    return _unpack("d", data)
+
+
+def _unpack(code: str, data: bytes) -> list[Any]:
+    arr = array(code)
     arr.frombytes(data)
     if _SWAP:  # pragma: no cover
         arr.byteswap()

@@ -33,7 +33,7 @@ import msgspec
 from kvconductor.index import Index, InstanceState
 from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, Unresolved
-from kvconductor.packing import pack_u64, unpack_u64
+from kvconductor.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
 from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 
 SCHEMA_VERSION = 1
@@ -88,7 +88,13 @@ class RetiredContent(msgspec.Struct, array_like=True, frozen=True):
 class PendingUnit(msgspec.Struct, tag="pending", frozen=True):
     now: float
     entries: list[PendingEntry]
+    # Written before the retired entries were packed; read, never written.
     retired: list[RetiredContent] = []
+    # The retired entries oldest first (`BlockStore.export_retired`): a
+    # list of structs cost a generation's cut 30 ms per 78,000 entries.
+    retired_seqs: bytes = b""
+    retired_idents: bytes = b""
+    retired_ts: bytes = b""
 
 
 class InstanceUnit(msgspec.Struct, tag="instance", frozen=True):
@@ -195,8 +201,18 @@ def export_pending(index: Index, ns_key: NamespaceKey) -> PendingUnit | None:
             entries.append(PendingUnresolved(seq, u.parent, u.block, u.extra, u.pin, ts))
         else:
             entries.append(PendingWaiting(seq, key[2], ts))
-    retired = [RetiredContent(*item) for item in ns.store.retired_items()]
-    return PendingUnit(ns.now, entries, retired)
+    return PendingUnit(ns.now, entries, [], *ns.store.export_retired())
+
+
+def retired_entries(unit: PendingUnit) -> list[RetiredContent]:
+    """A pending unit's retired entries, oldest first, as structs."""
+    packed = zip(
+        unpack_u64(unit.retired_seqs),
+        unpack_u64(unit.retired_idents),
+        unpack_f64(unit.retired_ts),
+        strict=True,
+    )
+    return [*unit.retired, *(RetiredContent(*r) for r in packed)]
 
 
 def export_instance(index: Index, instance: str) -> InstanceUnit | None:
@@ -347,8 +363,15 @@ def _restore_pending(ns: NamespaceIndex, unit: PendingUnit) -> None:
             target = (e.target[0], e.target[1], e.target[2], e.target[3])
             if pending.add((WAITING, e.seq, target), e.ts):
                 ns.waiting.setdefault(e.seq, []).append(target)  # type: ignore[arg-type]
-    for r in unit.retired:
-        ns.store.restore_retired(r.seq, r.ident, r.ts)
+    if unit.retired:
+        retired = retired_entries(unit)
+        ns.store.load_retired(
+            pack_u64(r.seq for r in retired),
+            pack_u64(r.ident for r in retired),
+            pack_f64(r.ts for r in retired),
+        )
+    else:
+        ns.store.load_retired(unit.retired_seqs, unit.retired_idents, unit.retired_ts)
 
 
 def state_fingerprint(index: Index) -> dict[UnitKey, bytes]:
@@ -386,8 +409,16 @@ def _canonical(unit: Unit) -> Unit:
         # Arrival order and times across partitions depend on fetch
         # interleaving: compare what is pending, not when it arrived.
         entries = [msgspec.structs.replace(e, ts=0.0) for e in unit.entries]
-        retired = [msgspec.structs.replace(r, ts=0.0) for r in unit.retired]
-        return PendingUnit(0.0, sorted(entries, key=repr), sorted(retired, key=repr))
+        retired = sorted(
+            zip(unpack_u64(unit.retired_seqs), unpack_u64(unit.retired_idents), strict=True)
+        )
+        return PendingUnit(
+            0.0,
+            sorted(entries, key=repr),
+            [],
+            pack_u64(r[0] for r in retired),
+            pack_u64(r[1] for r in retired),
+        )
     return unit
 
 

@@ -33,7 +33,7 @@ from kvconductor.errors import BadRecord
 from kvconductor.index import Index, IndexLimits
 from kvconductor.query_wire import TokenQuery
 from kvconductor.replica import Replica
-from kvconductor.snapshots import UnitKey, export_pending, state_fingerprint
+from kvconductor.snapshots import UnitKey, export_pending, retired_entries, state_fingerprint
 from kvconductor.soak_traffic import Where, record_digest
 
 HTTP_TIMEOUT_S = 30.0
@@ -233,7 +233,7 @@ def _pending_entries(index: Index) -> dict[tuple[Any, ...], float]:
     for ns_key in index.namespaces:
         unit = export_pending(index, ns_key)
         if unit is not None:
-            for e in [*unit.entries, *unit.retired]:
+            for e in [*unit.entries, *retired_entries(unit)]:
                 out[(ns_key, msgspec.structs.replace(e, ts=0.0))] = e.ts
     return out
 

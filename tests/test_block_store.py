@@ -34,7 +34,7 @@ from kvconductor.block_store import BlockStore, PyBlockStore
 from kvconductor.hashing import chain_identities, pack_tokens
 from kvconductor.kernel import KERNEL
 from kvconductor.media import DEVICE, DISK, HOST
-from kvconductor.packing import pack_u64, unpack_u64
+from kvconductor.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
 
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the compiled kernel is not built")
 
@@ -56,6 +56,15 @@ ROOMS = [-1, 0, 1, 2, 5, 100, 2**70]
 LIMITS = [0, 1, 2, 3, 8, sys.maxsize]
 
 seq_lists = st.lists(st.sampled_from(SEQS), max_size=8)
+
+
+def retired_items(store: BlockStore) -> list[tuple[int, int, float]]:
+    seqs, idents, ts = store.export_retired()
+    return list(zip(unpack_u64(seqs), unpack_u64(idents), unpack_f64(ts), strict=True))
+
+
+def restore_retired(store: BlockStore, seq: int, ident: int, ts: float) -> None:
+    store.load_retired(pack_u64([seq]), pack_u64([ident]), pack_f64([ts]))
 
 
 def _compiled(max_retired: int, max_age_s: float) -> BlockStore:
@@ -117,7 +126,7 @@ class Stores(RuleBasedStateMachine):
     @rule(data=st.data())
     def expire(self, data: st.DataObject) -> None:
         # Now, or just when a retired entry comes of age (kept at the bound).
-        times = [self.now] + [ts + self.age for _, _, ts in self.ref.retired_items()]
+        times = [self.now] + [ts + self.age for _, _, ts in retired_items(self.ref)]
         now = data.draw(st.sampled_from(times))
         self.both(lambda s: s.expire(now))
 
@@ -144,7 +153,7 @@ class Stores(RuleBasedStateMachine):
         back=st.sampled_from([0.0, 1.0, 5.0]),
     )
     def restore_retired(self, seq: int, ident: int, back: float) -> None:
-        self.both(lambda s: s.restore_retired(seq, ident, self.now - back))
+        self.both(lambda s: restore_retired(s, seq, ident, self.now - back))
 
     @rule()
     def clear_retired(self) -> None:
@@ -288,7 +297,7 @@ class Stores(RuleBasedStateMachine):
         }
         pools = {pid: self.ref.export_pool(pid) for pid in sorted(self.pools)}
         limit = self.ref.retired_limit()
-        retired = self.ref.retired_items()
+        retired = self.ref.export_retired()
         before = self.ref.dump()
         before_content: dict[int, int] = before["content"]  # type: ignore[assignment]
         fresh: list[BlockStore] = [PyBlockStore(sys.maxsize, 1e9), _compiled(sys.maxsize, 1e9)]
@@ -304,8 +313,7 @@ class Stores(RuleBasedStateMachine):
                 store.load_pool(pid, seqs, idents)
             for seq in self.holds:
                 store.acquire(seq, before_content[seq])
-            for seq, ident, ts in retired:
-                store.restore_retired(seq, ident, ts)
+            store.load_retired(*retired)
             store.set_retired_limit(limit)
             assert store.dump() == before
         self.ref, self.rust = fresh  # type: ignore[assignment]
@@ -338,7 +346,7 @@ class Stores(RuleBasedStateMachine):
     @invariant()
     def same_state(self) -> None:
         assert self.rust.dump() == self.ref.dump()
-        for name in ("content_len", "retired_len", "retired_items", "retired_limit"):
+        for name in ("content_len", "retired_len", "export_retired", "retired_limit"):
             self.both(methodcaller(name))
         for slot in self.owners:
             self.both(methodcaller("owner_size", slot))
@@ -381,7 +389,7 @@ def test_load_takes_retired_content_back(make: Callable[[int, float], BlockStore
     store.add_owner(0)
     store.load_owner(0, HOST, pack_u64([5]), pack_u64([51]))
     assert store.ident(5) == 50
-    assert store.retired_items() == []
+    assert retired_items(store) == []
     assert _pairs(store.export_owner(0, HOST)) == [(5, 50)]
 
 
@@ -391,13 +399,13 @@ def test_clear_retires_in_hash_order(make: Callable[[int, float], BlockStore]) -
     store.add_owner(0)
     store.place_owner(0, DEVICE, [3, 1, 2], [30, 10, 20], 10)
     store.clear_owner(0)
-    assert [seq for seq, _, _ in store.retired_items()] == [1, 2, 3]
+    assert [seq for seq, _, _ in retired_items(store)] == [1, 2, 3]
 
 
 @_both_stores
 def test_restore_at_limit_zero(make: Callable[[int, float], BlockStore]) -> None:
     store = make(0, 1e9)
-    store.restore_retired(5, 50, 0.0)
+    restore_retired(store, 5, 50, 0.0)
     assert store.content_len() == 0
 
 
@@ -421,6 +429,8 @@ def test_errors(make: Callable[[int, float], BlockStore]) -> None:
         store.load_pool(1, pack_u64([1]), b"")
     with pytest.raises(KeyError):
         store.release(99)
+    with pytest.raises(ValueError):
+        store.load_retired(pack_u64([1]), pack_u64([1]), b"")
 
 
 def test_wide_slots_and_full_range_hashes() -> None:

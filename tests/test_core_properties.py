@@ -37,6 +37,7 @@ from kvconductor.events import (
 from kvconductor.index import Index, IndexLimits
 from kvconductor.query_wire import HashQuery, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
+from kvconductor.snapshots import PendingUnit, all_unit_ids, export_unit, restore, retired_entries
 
 MODEL = "m"
 NOW = 1000.0
@@ -815,6 +816,28 @@ def test_retired_content_is_bounded_and_ages_out():
     index.apply_pool("p0", pool_meta(bs), PoolBatch(NOW + 1, [PoolEvent("cleared")]), NOW + 1)
     index.expire(NOW + 1 + 5.5)
     assert index.is_empty()
+
+
+def test_retired_content_survives_a_snapshot_in_either_format():
+    """Retired entries are written packed; units written before that (a
+    list of structs) still restore to the same state, times included."""
+    index = Index(IndexLimits(max_retired_content=100))
+    meta = engine_meta("i0", 2)
+    for i in range(30):
+        seqs = seqs_of("A", None, [(i, i)])
+        t = NOW + i * 0.25
+        index.apply_engine("i0", meta, EngineBatch(t, [BlockStored(seqs, None, [i, i])]), t)
+        index.apply_engine("i0", meta, EngineBatch(t, [BlockRemoved(seqs)]), t)
+    units = dict(export_unit(index, kind, uid) for kind, uid in all_unit_ids(index))
+    ((key, unit),) = [(k, u) for k, u in units.items() if isinstance(u, PendingUnit)]
+    assert len(retired_entries(unit)) == 30
+    old = PendingUnit(unit.now, unit.entries, retired_entries(unit))
+    (ns,) = index.namespaces.values()
+    for form in (unit, old):
+        fresh = Index(IndexLimits(max_retired_content=100))
+        restore(fresh, {k: u for k, u in {**units, key: form}.items() if u is not None})
+        (got,) = fresh.namespaces.values()
+        assert got.store.export_retired() == ns.store.export_retired()
 
 
 # ------------------------------------------------------- found by the model

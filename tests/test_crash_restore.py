@@ -46,6 +46,7 @@ from kvconductor.snapshots import (
     PendingUnit,
     PoolUnit,
     decode_unit,
+    retired_entries,
     state_fingerprint,
 )
 from tests.harness import http_json, produce, wait_for
@@ -140,7 +141,7 @@ def explain(got: dict[Any, bytes], want: dict[Any, bytes]) -> list[str]:
             out.append(f"{key}: pool blocks extra {len(extra)} missing {len(missing)}")
         elif isinstance(a, PendingUnit) and isinstance(b, PendingUnit):
             ea, eb = set(map(repr, a.entries)), set(map(repr, b.entries))
-            ra, rb = set(map(repr, a.retired)), set(map(repr, b.retired))
+            ra, rb = set(map(repr, retired_entries(a))), set(map(repr, retired_entries(b)))
             out.append(
                 f"{key}: pending extra {sorted(ea - eb)[:3]} missing {sorted(eb - ea)[:3]}; "
                 f"retired extra {len(ra - rb)} missing {len(rb - ra)}"

@@ -203,10 +203,11 @@ impl Catalog {
     }
 
     fn retired(&self) -> impl Iterator<Item = (u64, u64, f64)> + '_ {
-        self.queue
-            .iter()
-            .filter(|r| Catalog::is_live(&self.map, r))
-            .map(|r| (r.seq, self.held_ident(r.seq), r.ts))
+        // One lookup a record: `is_live` and the identity from one entry.
+        self.queue.iter().filter_map(|r| match self.map.get(&r.seq) {
+            Some(b) if b.refs == 0 && b.stamp == r.stamp => Some((r.seq, b.ident, r.ts)),
+            _ => None,
+        })
     }
 
     fn clear_retired(&mut self) {
@@ -821,12 +822,29 @@ impl BlockStore {
         self.cat.version
     }
 
-    fn retired_items(&self) -> Vec<(u64, u64, f64)> {
-        self.cat.retired().collect()
+    fn export_retired<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+        let items: Vec<(u64, u64, f64)> = self.cat.retired().collect();
+        let ts: Vec<u8> = items.iter().flat_map(|r| r.2.to_le_bytes()).collect();
+        (
+            pack(py, items.iter().map(|r| r.0)),
+            pack(py, items.iter().map(|r| r.1)),
+            PyBytes::new(py, &ts),
+        )
     }
 
-    fn restore_retired(&mut self, seq: u64, ident: u64, ts: f64) {
-        self.cat.retire_new(seq, ident, ts);
+    fn load_retired(&mut self, seqs: &[u8], idents: &[u8], ts: &[u8]) -> PyResult<()> {
+        let (seqs, idents) = (unpack(seqs)?, unpack(idents)?);
+        if idents.len() != seqs.len() || ts.len() != seqs.len() * 8 {
+            return Err(PyValueError::new_err("retired arrays of different lengths"));
+        }
+        for ((seq, ident), at) in seqs.into_iter().zip(idents).zip(ts.chunks_exact(8)) {
+            let at = f64::from_le_bytes(at.try_into().unwrap_or_default());
+            self.cat.retire_new(seq, ident, at);
+        }
+        Ok(())
     }
 
     fn clear_retired(&mut self) {
