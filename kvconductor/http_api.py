@@ -49,13 +49,12 @@ from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler
 
 from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
-from kvconductor.hashing import tokens_from_json
 from kvconductor.metrics import CONTENT_TYPE, Metrics
 from kvconductor.query_wire import (
     HashQuery,
     InvalidQuery,
-    RawTokenQuery,
     TokenQuery,
+    read_token_query,
 )
 
 if TYPE_CHECKING:
@@ -73,7 +72,6 @@ BODY_BUDGET_FACTOR = 4
 _CLOSING = frozenset({408, 413})
 
 _token_decoder = msgspec.json.Decoder(TokenQuery)
-_raw_token_decoder = msgspec.json.Decoder(RawTokenQuery)
 T = TypeVar("T")
 _hash_decoder = msgspec.json.Decoder(HashQuery)
 _encoder = msgspec.json.Encoder()
@@ -272,21 +270,12 @@ class QueryApi:
             latency.observe(perf_counter() - start)
 
     def _token_query(self, body: bytes) -> bytes:
-        raw = _decode(_raw_token_decoder, body)
-        packed = tokens_from_json(raw.token_ids)
-        if packed is None:
-            # Not one array of token ids in [0, 2**32): the typed decoder
-            # says why, or takes it and the index says why.
+        read = read_token_query(body)
+        if read is None:
+            # The typed decoder says what is wrong, or takes it and the
+            # index says why.
             return self._run(self.conductor.query_json, _decode(_token_decoder, body))
-        req = TokenQuery(
-            raw.model,
-            raw.block_size,
-            [],
-            raw.lora_name,
-            raw.tenant_id,
-            raw.instance_id,
-            raw.cache_salt,
-        )
+        req, packed = read
         return self._run(lambda r: self.conductor.query_json(r, packed), req)
 
     def _hash_query(self, body: bytes) -> bytes:

@@ -38,6 +38,10 @@ class Kernel(Protocol):
 
     def json_tokens(self, raw: bytes | msgspec.Raw) -> bytes | None: ...
 
+    def read_token_query(
+        self, body: bytes
+    ) -> tuple[str, int, bytes, str | None, str | None, str | None, str | None] | None: ...
+
     def chain_identities(
         self, data: bytes, n_blocks: int, block_size: int, parent: int
     ) -> list[int]: ...

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+from kvconductor.hashing import tokens_from_json
+from kvconductor.kernel import KERNEL
+
 
 class TokenQuery(msgspec.Struct, frozen=True):
     model: str
@@ -39,6 +42,43 @@ class HashQuery(msgspec.Struct, frozen=True):
     tenant_id: str | None = None
     instance_id: str | None = None
     cache_salt: str | None = None
+
+
+_raw_token_decoder = msgspec.json.Decoder(RawTokenQuery)
+
+
+def read_token_query(body: bytes) -> tuple[TokenQuery, bytes] | None:
+    """A `POST /query` body as its query (without `token_ids`) and its
+    prompt packed (`hashing.pack_tokens`), without a Python int per token;
+    None when it is not plainly valid: the `TokenQuery` decoder then says
+    why, or takes it (a token id outside u32 is the index's 400).
+
+    With the kernel the body is read in one pass (`kernel/src/query_json.rs`):
+    msgspec's `Raw` cost a scan of the whole prompt before the tokens were
+    parsed in a second."""
+    if KERNEL is not None:
+        read = KERNEL.read_token_query(body)
+        if read is None:
+            return None
+        model, block_size, packed, lora, tenant, instance, salt = read
+        return TokenQuery(model, block_size, [], lora, tenant, instance, salt), packed
+    try:
+        raw = _raw_token_decoder.decode(body)
+    except msgspec.DecodeError:
+        return None
+    tokens = tokens_from_json(raw.token_ids)
+    if tokens is None:
+        return None
+    req = TokenQuery(
+        raw.model,
+        raw.block_size,
+        [],
+        raw.lora_name,
+        raw.tenant_id,
+        raw.instance_id,
+        raw.cache_salt,
+    )
+    return req, tokens
 
 
 class InvalidQuery(ValueError):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvconductor import hashing
 from kvconductor.hashing import pack_tokens
 from kvconductor.kernel import KERNEL, STATUS, Kernel
+from kvconductor.query_wire import TokenQuery, read_token_query
 
 BLOCK = 4
 
@@ -102,3 +103,59 @@ def test_json_tokens_matches_python(value: object) -> None:
     assert kernel.json_tokens(raw) == want
     assert kernel.json_tokens(b" " + raw + b"\n") == want  # whitespace is JSON
     assert kernel.json_tokens(raw + b"]") is None
+
+
+query_field = st.one_of(st.none(), st.text(max_size=3), st.integers(-5, 2**64), st.booleans())
+
+
+@st.composite
+def query_bodies(draw: st.DrawFn) -> bytes:
+    """Token query bodies, mostly valid, some a field or a token off."""
+    fields: dict[str, object] = {
+        "model": draw(st.one_of(st.text(max_size=4), query_field)),
+        "block_size": draw(st.one_of(st.integers(-3, 2**64), query_field)),
+        "token_ids": draw(st.one_of(st.lists(st.integers(0, 2**32 + 5)), st.lists(tokenish))),
+    }
+    for name in ("lora_name", "tenant_id", "instance_id", "cache_salt", "unknown"):
+        if draw(st.booleans()):
+            fields[name] = draw(query_field)
+    keys = draw(st.permutations(list(fields)))
+    if draw(st.integers(0, 9)) == 0:
+        keys = keys[1:]  # a field missing
+    body = msgspec.json.encode({k: fields[k] for k in keys})
+    if draw(st.integers(0, 19)) == 0:
+        body = body[:-1] + b',"model":"again"}'  # a duplicate field
+    if draw(st.integers(0, 19)) == 0:
+        body = msgspec.json.encode([fields[k] for k in keys])  # an array
+    return body
+
+
+@settings(max_examples=400, deadline=None)
+@given(query_bodies())
+def test_read_token_query_takes_only_what_the_typed_decoder_takes(body: bytes) -> None:
+    """One pass or two, a query is read as the `TokenQuery` decoder reads it,
+    tokens packed; whatever is not plainly valid is left to that decoder."""
+    try:
+        typed: TokenQuery | None = msgspec.json.decode(body, type=TokenQuery)
+        want = (msgspec.structs.replace(typed, token_ids=[]), pack_tokens(typed.token_ids))
+    except (msgspec.ValidationError, msgspec.DecodeError, OverflowError):
+        want = None
+    got = read_token_query(body)
+    if got is not None:
+        assert got == want
+    elif want is not None:
+        # Only a duplicate field may go the typed decoder's way although valid.
+        assert body.count(b'"model"') > 1
+    read = KERNEL.read_token_query(body) if KERNEL is not None else None
+    if read is not None:
+        assert want is not None
+        q, packed = want
+        assert read == (
+            q.model,
+            q.block_size,
+            packed,
+            q.lora_name,
+            q.tenant_id,
+            q.instance_id,
+            q.cache_salt,
+        )

@@ -7,6 +7,7 @@
 //! tests/test_block_store.py).
 
 mod count_map;
+mod query_json;
 mod shape;
 mod store;
 
@@ -130,5 +131,6 @@ fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(json_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(query_json::read_token_query, m)?)?;
     Ok(())
 }
