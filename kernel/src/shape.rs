@@ -3,8 +3,6 @@
 //! HTTP API sends, with the owners' names and `DP` keys made once per
 //! layout, not once per query.
 
-use std::io::Write;
-
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
@@ -132,15 +130,28 @@ impl AnswerShape {
         let by_slot = self.by_slot(lengths, false)?;
         let bs = self.block_size;
         let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * self.instances.len());
+        let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
         for (inst, (g, c, d), ranks) in self.rows(&by_slot) {
             out.push(if out.is_empty() { b'{' } else { b',' });
             out.extend_from_slice(&inst.name_json);
-            let (g, c, d) = (g * bs, c * bs, d * bs);
-            // Writes to a Vec cannot fail.
-            let _ = write!(out, ":{{\"longest_matched\":{d},\"GPU\":{g},\"CPU\":{c},\"DISK\":{d},\"DP\":{{");
+            let d = disk.format(d * bs).as_bytes();
+            out.extend_from_slice(b":{\"longest_matched\":");
+            out.extend_from_slice(d);
+            out.extend_from_slice(b",\"GPU\":");
+            out.extend_from_slice(num.format(g * bs).as_bytes());
+            out.extend_from_slice(b",\"CPU\":");
+            out.extend_from_slice(num.format(c * bs).as_bytes());
+            out.extend_from_slice(b",\"DISK\":");
+            out.extend_from_slice(d);
+            out.extend_from_slice(b",\"DP\":{");
             for (i, (rank, m)) in ranks.enumerate() {
-                let sep = if i == 0 { "" } else { "," };
-                let _ = write!(out, "{sep}\"{}\":{}", rank.rank, m.2 * bs);
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.push(b'"');
+                out.extend_from_slice(num.format(rank.rank).as_bytes());
+                out.extend_from_slice(b"\":");
+                out.extend_from_slice(num.format(m.2 * bs).as_bytes());
             }
             out.extend_from_slice(b"}}");
         }
