@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -57,7 +58,23 @@ def machine() -> dict[str, Any]:
         "git": _git_rev(),
         "packages": versions,
         "loadavg_start": loadavg(),
+        "cpu_probe_ms_start": cpu_probe_ms(),
     }
+
+
+def cpu_probe_ms() -> float:
+    """Milliseconds for a fixed piece of interpreter work (median of 5).
+
+    A virtual machine's core is not always as fast: on the reference
+    machine the same build's query decode took 145 us, then 280 us half an
+    hour later, with the load average at 1. Taken at the start and the end
+    of a run, this says how fast the core was, so that runs compare."""
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(200_000))
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[2] * 1000, 2)
 
 
 def loadavg() -> list[float] | None:
@@ -234,6 +251,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Load average (1/5/15 min) at the start: {_load(m.get('loadavg_start'))}, at the end: "
         f"{_load(m.get('loadavg_end'))} (on {m['cores']} cores: above that, the figures share "
         "the CPU with other work).",
+        "",
+        _cpu_probe(m),
         "",
         f"Workload: seed {w['config']['seed']}, {w['config']['instances']} instances, "
         f"{w['config']['gpu_blocks']:,} GPU blocks each (host tier or pool offload), "
@@ -425,6 +444,17 @@ def _e2e_section(e2e: dict[str, Any]) -> list[str]:
 
 def _load(values: list[float] | None) -> str:
     return "n/a" if not values else " / ".join(f"{v:.1f}" for v in values)
+
+
+def _cpu_probe(m: dict[str, Any]) -> str:
+    start, end = m.get("cpu_probe_ms_start"), m.get("cpu_probe_ms_end")
+    if start is None or end is None:
+        return "The core's speed was not probed in this run."
+    return (
+        f"Core speed probe (a fixed Python loop, `bench/report.py`): {start:.1f} ms at the "
+        f"start, {end:.1f} ms at the end; lower is faster. Compare runs by it: on this kind "
+        "of virtual machine the same work can take twice as long from one hour to the next."
+    )
 
 
 def _first_touch(m: dict[str, Any]) -> str:

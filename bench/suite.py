@@ -283,6 +283,7 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
         )
     result["elapsed_s"] = time.perf_counter() - t0
     result["machine"]["loadavg_end"] = report.loadavg()
+    result["machine"]["cpu_probe_ms_end"] = report.cpu_probe_ms()
     result["targets"] = report.targets(result)
     result["notes"] = opts.notes
     return result
