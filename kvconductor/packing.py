@@ -12,10 +12,7 @@ _SWAP = sys.byteorder != "little"
 
 
 def pack_u64(values: Iterable[int]) -> bytes:
-    arr = array("Q", values)
-    if _SWAP:  # pragma: no cover
-        arr.byteswap()
-    return arr.tobytes()
+    return _pack("Q", values)
 
 
 def unpack_u64(data: bytes) -> list[int]:
@@ -23,14 +20,18 @@ def unpack_u64(data: bytes) -> list[int]:
 
 
 def pack_f64(values: Iterable[float]) -> bytes:
-    arr = array("d", values)
-    if _SWAP:  # pragma: no cover
-        arr.byteswap()
-    return arr.tobytes()
+    return _pack("d", values)
 
 
 def unpack_f64(data: bytes) -> list[float]:
     return _unpack("d", data)
+
+
+def _pack(code: str, values: Iterable[Any]) -> bytes:
+    arr = array(code, values)
+    if _SWAP:  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def _unpack(code: str, data: bytes) -> list[Any]:
