@@ -129,10 +129,15 @@ impl AnswerShape {
     fn shape_json<'py>(&self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
         let by_slot = self.by_slot(lengths, false)?;
         let bs = self.block_size;
+        // `{tenant:{` then the rows; with no row, the answer is `{}`.
         let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * self.instances.len());
+        out.push(b'{');
+        out.extend_from_slice(&self.tenant_json);
+        out.push(b':');
+        let head = out.len();
         let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
         for (inst, (g, c, d), ranks) in self.rows(&by_slot) {
-            out.push(if out.is_empty() { b'{' } else { b',' });
+            out.push(if out.len() == head { b'{' } else { b',' });
             out.extend_from_slice(&inst.name_json);
             let d = disk.format(d * bs).as_bytes();
             out.extend_from_slice(b":{\"longest_matched\":");
@@ -155,15 +160,10 @@ impl AnswerShape {
             }
             out.extend_from_slice(b"}}");
         }
-        if out.is_empty() {
+        if out.len() == head {
             return Ok(PyBytes::new(py, b"{}"));
         }
-        let mut answer = Vec::with_capacity(out.len() + self.tenant_json.len() + 4);
-        answer.push(b'{');
-        answer.extend_from_slice(&self.tenant_json);
-        answer.push(b':');
-        answer.extend_from_slice(&out);
-        answer.extend_from_slice(b"}}");
-        Ok(PyBytes::new(py, &answer))
+        out.extend_from_slice(b"}}");
+        Ok(PyBytes::new(py, &out))
     }
 }

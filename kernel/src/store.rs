@@ -88,8 +88,9 @@ impl Catalog {
         }
     }
 
-    fn is_live(map: &HashMap<u64, Block>, r: &Record) -> bool {
-        matches!(map.get(&r.seq), Some(b) if b.refs == 0 && b.stamp == r.stamp)
+    /// The catalog entry of a live record (unheld, still carrying its stamp).
+    fn live<'m>(map: &'m HashMap<u64, Block>, r: &Record) -> Option<&'m Block> {
+        map.get(&r.seq).filter(|b| b.refs == 0 && b.stamp == r.stamp)
     }
 
     fn ident(&self, seq: u64) -> Option<u64> {
@@ -163,14 +164,14 @@ impl Catalog {
         self.version = next_version();
         if self.queue.len() > 2 * self.live + 64 {
             let map = &self.map;
-            self.queue.retain(|r| Catalog::is_live(map, r));
+            self.queue.retain(|r| Catalog::live(map, r).is_some());
         }
     }
 
     /// The oldest live record's retirement time, past stale ones.
     fn head_ts(&mut self) -> Option<f64> {
         while let Some(r) = self.queue.front() {
-            if Catalog::is_live(&self.map, r) {
+            if Catalog::live(&self.map, r).is_some() {
                 return Some(r.ts);
             }
             self.queue.pop_front();
@@ -203,16 +204,12 @@ impl Catalog {
     }
 
     fn retired(&self) -> impl Iterator<Item = (u64, u64, f64)> + '_ {
-        // One lookup a record: `is_live` and the identity from one entry.
-        self.queue.iter().filter_map(|r| match self.map.get(&r.seq) {
-            Some(b) if b.refs == 0 && b.stamp == r.stamp => Some((r.seq, b.ident, r.ts)),
-            _ => None,
-        })
+        self.queue.iter().filter_map(|r| Catalog::live(&self.map, r).map(|b| (r.seq, b.ident, r.ts)))
     }
 
     fn clear_retired(&mut self) {
         for r in std::mem::take(&mut self.queue) {
-            if Catalog::is_live(&self.map, &r) {
+            if Catalog::live(&self.map, &r).is_some() {
                 self.map.remove(&r.seq);
             }
         }
@@ -476,8 +473,8 @@ fn tier_ix(tier: usize) -> PyResult<usize> {
 
 // -------------------------------------------------------------------- query
 
-/// The prompt's identities, computed as far as a walk reads them and kept
-/// for the walks of the next mask words.
+/// The prompt's identities, computed a chunk at a time as far as the walk
+/// reads them.
 struct Prompt<'a, 'py> {
     source: Source<'a, 'py>,
     idents: Vec<u64>,
@@ -497,33 +494,21 @@ enum Source<'a, 'py> {
 }
 
 impl Prompt<'_, '_> {
-    fn get(&mut self, i: usize) -> PyResult<Option<u64>> {
-        if let Some(&id) = self.idents.get(i) {
-            return Ok(Some(id));
-        }
-        if i >= self.len {
-            return Ok(None);
-        }
-        let id = match &mut self.source {
-            Source::Tokens { data, step, ident } => {
-                *ident = xxh3_64_with_seed(&data[i * *step..(i + 1) * *step], *ident);
-                *ident
-            }
-            Source::List(list) => list.get_item(i)?.extract()?,
-            Source::Given => return Ok(None),
-        };
-        self.idents.push(id);
-        Ok(Some(id))
-    }
-
     /// The identities of blocks `from..`, up to `GATHER` of them (none past
-    /// the prompt's end).
+    /// the prompt's end), computed as far as they are read.
     fn chunk(&mut self, from: usize) -> PyResult<&[u64]> {
         let to = (from + GATHER).min(self.len);
-        if self.idents.len() < to {
-            for i in self.idents.len()..to {
-                self.get(i)?;
-            }
+        while self.idents.len() < to {
+            let i = self.idents.len();
+            let id = match &mut self.source {
+                Source::Tokens { data, step, ident } => {
+                    *ident = xxh3_64_with_seed(&data[i * *step..(i + 1) * *step], *ident);
+                    *ident
+                }
+                Source::List(list) => list.get_item(i)?.extract()?,
+                Source::Given => break, // all extracted up front
+            };
+            self.idents.push(id);
         }
         Ok(&self.idents[from.min(to)..to])
     }
@@ -827,22 +812,21 @@ impl BlockStore {
         py: Python<'py>,
     ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
         let items: Vec<(u64, u64, f64)> = self.cat.retired().collect();
-        let ts: Vec<u8> = items.iter().flat_map(|r| r.2.to_le_bytes()).collect();
+        // An f64's little-endian bytes are its bit pattern's.
         (
             pack(py, items.iter().map(|r| r.0)),
             pack(py, items.iter().map(|r| r.1)),
-            PyBytes::new(py, &ts),
+            pack(py, items.iter().map(|r| r.2.to_bits())),
         )
     }
 
     fn load_retired(&mut self, seqs: &[u8], idents: &[u8], ts: &[u8]) -> PyResult<()> {
-        let (seqs, idents) = (unpack(seqs)?, unpack(idents)?);
-        if idents.len() != seqs.len() || ts.len() != seqs.len() * 8 {
+        let (seqs, idents, ts) = (unpack(seqs)?, unpack(idents)?, unpack(ts)?);
+        if idents.len() != seqs.len() || ts.len() != seqs.len() {
             return Err(PyValueError::new_err("retired arrays of different lengths"));
         }
-        for ((seq, ident), at) in seqs.into_iter().zip(idents).zip(ts.chunks_exact(8)) {
-            let at = f64::from_le_bytes(at.try_into().unwrap_or_default());
-            self.cat.retire_new(seq, ident, at);
+        for ((seq, ident), at) in seqs.into_iter().zip(idents).zip(ts) {
+            self.cat.retire_new(seq, ident, f64::from_bits(at));
         }
         Ok(())
     }
