@@ -258,7 +258,7 @@ class Daemon:
     async def restore_snapshot(self) -> None:
         self.status = "restoring snapshot"
         read = await self.read_snapshot()
-        restore(self.conductor.index, read.units)
+        self._restore(read)
         self._state_offsets = dict(read.offsets)
         self._last_published = dict(read.offsets)
         if self.publisher is not None:
@@ -282,6 +282,19 @@ class Daemon:
 
         return owns
 
+    def _restore(
+        self, read: SnapshotRead, keep: Callable[[NamespaceKey], bool] | None = None
+    ) -> None:
+        """Load a snapshot's units into the index; a unit the index cannot
+        take (arrays of different lengths, more namespaces or owners than
+        the limits) stops the daemon with the reason, not a traceback."""
+        try:
+            restore(self.conductor.index, read.units, keep)
+        except ValueError as exc:
+            raise FatalError(
+                f"the snapshot topic {self.cfg.kafka.snapshot_topic} cannot be restored: {exc}"
+            ) from exc
+
     async def _take_over(self, assigned: set[TopicPartition]) -> None:
         """Scale-out: load the units of newly assigned internal partitions."""
         events = self.events
@@ -295,7 +308,7 @@ class Daemon:
         read = await self.read_snapshot()
         owns = self._owns(gained)
         index = self.conductor.index
-        restore(index, read.units, keep=owns)
+        self._restore(read, owns)
 
         def keep_unit(key: UnitKey) -> bool:
             ns = unit_namespace(key)

@@ -12,8 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from aiokafka.structs import TopicPartition
 
+from kvconductor.daemon import Daemon
 from kvconductor.kafka_local import free_ports
+from kvconductor.namespace_index import NamespaceKey
+from kvconductor.packing import pack_f64, pack_u64
+from kvconductor.service import FatalError
+from kvconductor.snapshot_store import SnapshotRead
+from kvconductor.snapshots import PendingUnit, pending_key
 from tests.harness import daemon_config, http_json, running, wait_for
 
 
@@ -134,3 +141,19 @@ def test_bad_config_is_one_line_naming_the_key(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "partitions" in lines[0]
+
+
+async def test_a_snapshot_the_index_cannot_take_stops_the_daemon_with_its_reason() -> None:
+    """A corrupt unit (here retired arrays of different lengths) is a
+    FatalError naming the topic and the reason, not a traceback."""
+    daemon = Daemon(daemon_config(f"127.0.0.1:{closed_port()}"))
+    unit = PendingUnit(1.0, [], [], pack_u64([1, 2]), pack_u64([3]), pack_f64([0.5, 0.5]))
+    key = pending_key(NamespaceKey("default", "m", 16, None, ""))
+    read = SnapshotRead({key: unit}, {key: 1}, {TopicPartition("t", 0): 1}, 1, 1, 1, 0.0, 0)
+
+    async def corrupt() -> SnapshotRead:
+        return read
+
+    daemon.read_snapshot = corrupt  # type: ignore[method-assign]
+    with pytest.raises(FatalError, match="cannot be restored: retired arrays of different"):
+        await daemon.restore_snapshot()
