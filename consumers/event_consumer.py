@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError, OffsetOutOfRangeError
+from aiokafka.errors import KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import OffsetAndMetadata
 
 from consumers.dead_letters import DeadLetterWriter
@@ -144,6 +144,12 @@ class EventConsumer:
             batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
         except OffsetOutOfRangeError as exc:
             await self._skip_deleted(exc.args[0])
+            return 0
+        except NoOffsetForPartitionError:
+            # A race at assignment, not a fault: aiokafka's fetcher looked for
+            # a committed offset (the group never commits one) before the
+            # assign hook's seek landed. The hook positions every partition it
+            # is given, so the next fetch reads from there.
             return 0
         handled = 0
         if batch:
