@@ -189,6 +189,7 @@ def bridge_like_producer(bootstrap: str) -> AIOKafkaProducer:
         enable_idempotence=True,
         linger_ms=b.linger_ms,
         max_request_size=b.max_request_size,
+        max_batch_size=b.batch_size,
     )
 
 

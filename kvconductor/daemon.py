@@ -527,6 +527,10 @@ class Daemon:
                         client_id=f"{k.client_id}-repartition",
                         transactional_id=f"{k.group_id}-{k.client_id}-repartition",
                         enable_idempotence=True,
+                        # It forwards every engine record: aiokafka's 16 KiB
+                        # batches (four typical records) bounded it (see the
+                        # bridge's batch_size).
+                        max_batch_size=512 * 1024,
                         **opts,
                     ),
                 )

@@ -70,6 +70,7 @@ BASE = '[[publishers]]\nid = "e"\nendpoint = "tcp://h:5557"\nmodel = "m"\nblock_
         ('[bridge]\nregistrations_topic = "kv-events"\n', {}, "must differ from [kafka] engine"),
         ('[kafka]\nbootstrap_servers = "nope"\n', {}, "[kafka] bootstrap_servers"),
         ("[bridge]\nbuffer_max_messages = 0\n", {}, "buffer_max_messages: must be at least 1"),
+        ("[bridge]\nbatch_size = 1048577\n", {}, "batch_size: must be in [1024, max_request_size"),
         (BASE.replace('model = "m"\n', ""), {}, "#1 (e) model: required for an engine"),
         (BASE.replace("block_size = 16\n", ""), {}, "#1 (e) block_size: required"),
         (BASE.replace("tcp://h:5557", "tcp://*:5557"), {}, "endpoint: a subscriber connects"),

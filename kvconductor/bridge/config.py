@@ -63,6 +63,7 @@ class BridgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     zmq_rcvhwm: int = 100_000
     linger_ms: int = 5
     max_request_size: int = 1024 * 1024
+    batch_size: int = 512 * 1024
     flush_timeout_s: float = 10.0
 
 
@@ -338,3 +339,8 @@ def _validate_settings(
         raise fail("linger_ms", f"must be in [0, 10000], got {b.linger_ms}")
     if b.max_request_size < 1024:
         raise fail("max_request_size", f"must be at least 1024, got {b.max_request_size}")
+    if not 1024 <= b.batch_size <= b.max_request_size:
+        raise fail(
+            "batch_size",
+            f"must be in [1024, max_request_size ({b.max_request_size})], got {b.batch_size}",
+        )

@@ -97,6 +97,7 @@ class Sink:
             enable_idempotence=True,
             linger_ms=b.linger_ms,
             max_request_size=b.max_request_size,
+            max_batch_size=b.batch_size,
             **kafka_client_options(k),
         )
 
