@@ -486,3 +486,40 @@ def test_heavy_churn_in_large_maps() -> None:
             store.clear_owner(slot)
         store.clear_pool(1)
     assert ref.dump() == rust.dump()
+
+
+def test_maps_split_into_shards_past_their_threshold() -> None:
+    """Past 65,536 keys the compiled catalog and query maps split into
+    shards that grow one at a time (kernel/src/sharded.rs): through the
+    split, single shards' growth, removals and a bulk load they hold what
+    the reference holds, and queries agree."""
+    rng = random.Random(11)
+    ref, rust = PyBlockStore(5000, 1e9), _compiled(5000, 1e9)
+    n = 90_000
+    seqs = [rng.getrandbits(64) | 1 for _ in range(n)]
+    idents = [rng.getrandbits(64) | 1 for _ in range(n)]
+    for store in (ref, rust):
+        for slot in (0, 1):
+            store.add_owner(slot)
+        store.add_pool(1, HOST)
+        for i in range(0, n, 3000):  # a record at a time: the split falls mid-way
+            store.place_owner(0, DEVICE, seqs[i : i + 3000], idents[i : i + 3000], 10**9)
+        store.place_owner(1, HOST, seqs[::2], idents[::2], 10**9)
+        store.place_pool(1, seqs[1::3], idents[1::3], 10**9, [])
+        store.remove_owner(0, DEVICE, seqs[: 2 * n // 3 : 2])
+        for seq in seqs[1:30_000:3]:
+            store.remove_pool(1, seq)
+    assert ref.dump() == rust.dump()
+    for start in (0, 1, 40_000, 70_000):
+        prompt = idents[start : start + 64]
+        for listed in (1, 2, 3):
+            assert rust.match_identities(prompt, listed) == ref.match_identities(prompt, listed)
+    loaded = _compiled(5000, 1e9)
+    loaded.add_owner(0)
+    loaded.load_owner(0, DEVICE, *rust.export_owner(0, DEVICE))
+    assert sorted(unpack_u64(loaded.export_owner(0, DEVICE)[0])) == sorted(
+        unpack_u64(rust.export_owner(0, DEVICE)[0])
+    )
+    assert loaded.match_identities(idents[70_000:70_064], 1) == rust.match_identities(
+        idents[70_000:70_064], 1
+    )

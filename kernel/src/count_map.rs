@@ -10,37 +10,35 @@
 //! drops to 0 is removed), and deletion shifts the run back, so there are
 //! no tombstones. Keys are hashed with foldhash's per-process random seed,
 //! as the other maps are: they come from engines.
+//!
+//! A large map is split into `SHARDS` tables by the top bits of the hash
+//! (the low bits place a key within its table), so that growing doubles one
+//! table, not all of them: at a million keys one doubling stopped the event
+//! loop for 10-40 ms (see `sharded::SPLIT_AT`).
 
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
+use crate::sharded::{SHARDS, SHARD_BITS, SPLIT_AT};
+
 /// At most this share of slots in use (in eighths): a miss scans on to an
 /// empty slot, and longer runs make misses slower.
 const MAX_LOAD_EIGHTHS: usize = 6;
 
+/// One table: a power-of-two array of (key, value), `len` in use.
 #[derive(Default)]
-pub struct CountMap {
+struct Table {
     slots: Vec<(u64, u64)>,
     len: usize,
-    hasher: RandomState,
 }
 
-impl CountMap {
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
+impl Table {
+    /// Where `key` (hashed to `h`) is, or the empty slot that ends its run.
     #[inline]
-    fn home(&self, key: u64) -> usize {
-        (self.hasher.hash_one(key) as usize) & (self.slots.len() - 1)
-    }
-
-    /// Where `key` is, or the empty slot that ends its run.
-    #[inline]
-    fn find(&self, key: u64) -> (usize, bool) {
+    fn find(&self, key: u64, h: u64) -> (usize, bool) {
         let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
+        let mut i = (h as usize) & mask;
         loop {
             let (k, v) = self.slots[i];
             if v == 0 {
@@ -53,13 +51,80 @@ impl CountMap {
         }
     }
 
+    /// Room for `n` more keys without growing.
+    fn reserve(&mut self, n: usize, hasher: &RandomState) {
+        let want = self.len + n;
+        if want * 8 > self.slots.len() * MAX_LOAD_EIGHTHS {
+            let capacity = (want * 8 / MAX_LOAD_EIGHTHS + 1).next_power_of_two().max(8);
+            let old = std::mem::replace(&mut self.slots, vec![(0, 0); capacity]);
+            for (k, v) in old {
+                if v != 0 {
+                    let (i, _) = self.find(k, hasher.hash_one(k));
+                    self.slots[i] = (k, v);
+                }
+            }
+        }
+    }
+
+    /// Backward-shift deletion: every later key of the run that may move
+    /// closer to its home fills the hole, so runs stay unbroken.
+    fn remove_at(&mut self, mut hole: usize, hasher: &RandomState) {
+        let mask = self.slots.len() - 1;
+        let mut i = hole;
+        loop {
+            i = (i + 1) & mask;
+            let (k, v) = self.slots[i];
+            if v == 0 {
+                break;
+            }
+            let home = (hasher.hash_one(k) as usize) & mask;
+            // `k` may move to the hole if its home is not in (hole, i].
+            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
+                self.slots[hole] = (k, v);
+                hole = i;
+            }
+        }
+        self.slots[hole] = (0, 0);
+        self.len -= 1;
+        if self.len == 0 {
+            self.slots = Vec::new();
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct CountMap {
+    /// One table, or `SHARDS` once the map outgrew `SPLIT_AT` keys.
+    tables: Vec<Table>,
+    len: usize,
+    hasher: RandomState,
+}
+
+impl CountMap {
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `key`'s hash and its table.
+    #[inline]
+    fn locate(&self, key: u64) -> (u64, usize) {
+        let h = self.hasher.hash_one(key);
+        let t = if self.tables.len() == SHARDS { (h >> (64 - SHARD_BITS)) as usize } else { 0 };
+        (h, t)
+    }
+
     #[inline]
     pub fn get(&self, key: u64) -> u64 {
         if self.len == 0 {
             return 0;
         }
-        match self.find(key) {
-            (i, true) => self.slots[i].1,
+        let (h, t) = self.locate(key);
+        let table = &self.tables[t];
+        if table.len == 0 {
+            return 0;
+        }
+        match table.find(key, h) {
+            (i, true) => table.slots[i].1,
             _ => 0,
         }
     }
@@ -74,28 +139,50 @@ impl CountMap {
         if self.len == 0 {
             return;
         }
+        let (h, t) = self.locate(key);
+        let slots = &self.tables[t].slots;
+        if slots.is_empty() {
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         {
-            let p = &self.slots[self.home(key)] as *const (u64, u64) as *const i8;
+            let p = &slots[(h as usize) & (slots.len() - 1)] as *const (u64, u64) as *const i8;
             // SAFETY: a prefetch is a hint; the address is in the array.
             unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
         }
     }
 
-    /// Room for `n` more keys without growing.
+    /// Room for `n` more keys without growing (spread evenly when split).
     pub fn reserve(&mut self, n: usize) {
-        let want = self.len + n;
-        if want * 8 > self.slots.len() * MAX_LOAD_EIGHTHS {
-            self.resize((want * 8 / MAX_LOAD_EIGHTHS + 1).next_power_of_two().max(8));
+        self.split_if(self.len + n);
+        let share = if self.tables.len() == SHARDS { n / SHARDS + n / (4 * SHARDS) } else { n };
+        for table in &mut self.tables {
+            table.reserve(share, &self.hasher);
         }
     }
 
-    fn resize(&mut self, capacity: usize) {
-        let old = std::mem::replace(&mut self.slots, vec![(0, 0); capacity]);
-        for (k, v) in old {
+    /// One table becomes `SHARDS` when the map is to hold `want` keys, past
+    /// `SPLIT_AT`.
+    fn split_if(&mut self, want: usize) {
+        if self.tables.is_empty() {
+            self.tables.push(Table::default());
+        }
+        if self.tables.len() == SHARDS || want < SPLIT_AT {
+            return;
+        }
+        let old = std::mem::take(&mut self.tables).pop().unwrap_or_default();
+        self.tables.resize_with(SHARDS, Table::default);
+        for table in &mut self.tables {
+            table.reserve(want / SHARDS + want / (4 * SHARDS), &self.hasher);
+        }
+        for (k, v) in old.slots {
             if v != 0 {
-                let (i, _) = self.find(k);
-                self.slots[i] = (k, v);
+                let (h, t) = self.locate(k);
+                let table = &mut self.tables[t];
+                table.reserve(1, &self.hasher);
+                let (i, _) = table.find(k, h);
+                table.slots[i] = (k, v);
+                table.len += 1;
             }
         }
     }
@@ -114,11 +201,17 @@ impl CountMap {
     /// `f` of the value under `key` (0 when absent) becomes its value; the
     /// old value is returned. `f` must not return 0.
     fn update(&mut self, key: u64, f: impl FnOnce(u64) -> u64) -> u64 {
-        self.reserve(1);
-        let (i, found) = self.find(key);
-        let old = if found { self.slots[i].1 } else { 0 };
-        self.slots[i] = (key, f(old));
-        self.len += usize::from(!found);
+        self.split_if(self.len + 1);
+        let (h, t) = self.locate(key);
+        let table = &mut self.tables[t];
+        table.reserve(1, &self.hasher);
+        let (i, found) = table.find(key, h);
+        let old = if found { table.slots[i].1 } else { 0 };
+        table.slots[i] = (key, f(old));
+        if !found {
+            table.len += 1;
+            self.len += 1;
+        }
         old
     }
 
@@ -136,44 +229,25 @@ impl CountMap {
         if self.len == 0 {
             return;
         }
-        let (i, found) = self.find(key);
+        let (h, t) = self.locate(key);
+        let table = &mut self.tables[t];
+        if table.len == 0 {
+            return;
+        }
+        let (i, found) = table.find(key, h);
         if !found {
             return;
         }
-        let v = f(self.slots[i].1);
+        let v = f(table.slots[i].1);
         if v != 0 {
-            self.slots[i].1 = v;
+            table.slots[i].1 = v;
         } else {
-            self.remove_at(i);
-        }
-    }
-
-    /// Backward-shift deletion: every later key of the run that may move
-    /// closer to its home fills the hole, so runs stay unbroken.
-    fn remove_at(&mut self, mut hole: usize) {
-        let mask = self.slots.len() - 1;
-        let mut i = hole;
-        loop {
-            i = (i + 1) & mask;
-            let (k, v) = self.slots[i];
-            if v == 0 {
-                break;
-            }
-            let home = self.home(k);
-            // `k` may move to the hole if its home is not in (hole, i].
-            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
-                self.slots[hole] = (k, v);
-                hole = i;
-            }
-        }
-        self.slots[hole] = (0, 0);
-        self.len -= 1;
-        if self.len == 0 {
-            self.slots = Vec::new();
+            table.remove_at(i, &self.hasher);
+            self.len -= 1;
         }
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.slots.iter().copied().filter(|&(_, v)| v != 0)
+        self.tables.iter().flat_map(|t| t.slots.iter().copied().filter(|&(_, v)| v != 0))
     }
 }

@@ -9,6 +9,7 @@
 mod count_map;
 mod query_json;
 mod shape;
+mod sharded;
 mod store;
 
 use std::os::raw::c_ulong;

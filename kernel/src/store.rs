@@ -24,6 +24,7 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::count_map::CountMap;
+use crate::sharded::ShardedMap;
 
 const DEVICE: usize = 0;
 const HOST: usize = 1;
@@ -64,7 +65,7 @@ struct Record {
 /// semantics (append unless present, evict the oldest beyond the count
 /// bound, expire from the head by age).
 struct Catalog {
-    map: HashMap<u64, Block>,
+    map: ShardedMap<Block>,
     queue: VecDeque<Record>,
     live: usize,
     next_stamp: u32,
@@ -77,7 +78,7 @@ struct Catalog {
 impl Catalog {
     fn new(max_entries: usize, max_age_s: f64) -> Self {
         Catalog {
-            map: HashMap::new(),
+            map: ShardedMap::default(),
             queue: VecDeque::new(),
             live: 0,
             next_stamp: 0,
@@ -89,7 +90,7 @@ impl Catalog {
     }
 
     /// The catalog entry of a live record (unheld, still carrying its stamp).
-    fn live<'m>(map: &'m HashMap<u64, Block>, r: &Record) -> Option<&'m Block> {
+    fn live<'m>(map: &'m ShardedMap<Block>, r: &Record) -> Option<&'m Block> {
         map.get(&r.seq).filter(|b| b.refs == 0 && b.stamp == r.stamp)
     }
 
@@ -104,16 +105,15 @@ impl Catalog {
 
     /// A reference on `seq`'s content; its canonical identity.
     fn acquire(&mut self, seq: u64, ident: u64) -> u64 {
-        let (canon, revived) = match self.map.entry(seq) {
-            Entry::Vacant(v) => {
-                v.insert(Block { ident, refs: 1, stamp: 0 });
-                (ident, false)
-            }
-            Entry::Occupied(mut o) => {
-                let b = o.get_mut();
+        let (canon, revived) = match self.map.get_mut(&seq) {
+            Some(b) => {
                 let revived = b.refs == 0;
                 b.refs += 1;
                 (b.ident, revived)
+            }
+            None => {
+                self.map.insert_new(seq, Block { ident, refs: 1, stamp: 0 });
+                (ident, false)
             }
         };
         if revived {
@@ -142,8 +142,8 @@ impl Catalog {
 
     /// Known content nobody holds, retired at `ts`, unless the catalog has it.
     fn retire_new(&mut self, seq: u64, ident: u64, ts: f64) {
-        if let Entry::Vacant(v) = self.map.entry(seq) {
-            v.insert(Block { ident, refs: 0, stamp: self.next_stamp });
+        if !self.map.contains_key(&seq) {
+            self.map.insert_new(seq, Block { ident, refs: 0, stamp: self.next_stamp });
             self.enqueue(seq, ts);
         }
     }
@@ -1030,7 +1030,7 @@ impl BlockStore {
         let cat = &self.cat;
         let content = PyDict::new(py);
         let refs = PyDict::new(py);
-        for (seq, b) in &cat.map {
+        for (seq, b) in cat.map.iter() {
             content.set_item(seq, b.ident)?;
             if b.refs > 0 {
                 refs.set_item(seq, b.refs)?;
