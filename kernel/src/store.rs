@@ -661,6 +661,11 @@ impl BlockStore {
                     prefetch(word.host, id);
                 }
             }
+            // A prefix that pools extend keeps every owner needing the
+            // pool's answer, block after block, in every word.
+            for &id in ids {
+                prefetch(pool_host, id);
+            }
             for word in words.iter_mut().filter(|w| w.d != 0) {
                 for (m, &id) in word.got.iter_mut().zip(ids) {
                     *m = (probe(word.dev, id), probe(word.host, id));
