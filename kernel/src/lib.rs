@@ -10,6 +10,7 @@ mod count_map;
 mod query_json;
 mod shape;
 mod sharded;
+mod small_int;
 mod store;
 
 use std::os::raw::c_ulong;
@@ -56,8 +57,23 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: Bound<'py, PyAny>) -> PyResult<Boun
         // iterator's reference counting (half the time of `extract` each).
         out.reserve(list.len() * 4);
         let mut i = 0;
-        // The length is read each time: `extract` below may run Python code.
+        // The length is read again after each item that is not a small int:
+        // `extract` below may run Python code.
         while i < list.len() {
+            let n = list.len();
+            // SAFETY: a list's items are `ob_item[..len]`, and nothing in this
+            // loop runs Python code.
+            let items = unsafe { (*list.as_ptr().cast::<ffi::PyListObject>()).ob_item };
+            while i < n {
+                match unsafe { small_int::read(*items.add(i)) } {
+                    Some(token) => out.extend_from_slice(&token.to_le_bytes()),
+                    None => break,
+                }
+                i += 1;
+            }
+            if i == n {
+                break;
+            }
             // SAFETY: `i` is in bounds, and `PyLong_AsUnsignedLong` runs no
             // Python code (for a non-int it only raises TypeError).
             let item = unsafe { ffi::PyList_GET_ITEM(list.as_ptr(), i as ffi::Py_ssize_t) };
@@ -126,6 +142,7 @@ fn packed<'py>(py: Python<'py>, tokens: &[u32]) -> Bound<'py, PyBytes> {
 
 #[pymodule]
 fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    small_int::init(m.py())?;
     m.add_class::<store::BlockStore>()?;
     m.add_class::<shape::AnswerShape>()?;
     m.add_function(wrap_pyfunction!(chain_identities, m)?)?;
