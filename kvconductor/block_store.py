@@ -80,6 +80,18 @@ class BlockStore(Protocol):
 
     def clear_retired(self) -> None: ...
 
+    def begin_cut(self) -> None:
+        """From now until `end_cut`, the identity each sequence hash has now
+        stays readable by `cut_identities`, whatever the catalog forgets
+        meanwhile (a snapshot exports hashes at its cut and their
+        identities after it, with records applied in between)."""
+
+    def end_cut(self) -> None: ...
+
+    def cut_identities(self, seqs: bytes) -> bytes:
+        """The identities the packed hashes had at `begin_cut`, packed;
+        KeyError for one the catalog did not know then."""
+
     def retired_limit(self) -> int: ...
 
     def set_retired_limit(self, limit: int) -> None: ...
@@ -114,6 +126,9 @@ class BlockStore(Protocol):
     def export_owner(self, slot: int, tier: int) -> tuple[bytes, bytes]:
         """(seqs, identities), packed."""
 
+    def export_owner_seqs(self, slot: int, tier: int) -> bytes:
+        """`export_owner`'s seqs alone (their identities: `cut_identities`)."""
+
     def load_owner(self, slot: int, tier: int, seqs: bytes, idents: bytes) -> None:
         """Bulk-load a snapshot's tier into an empty owner tier."""
 
@@ -140,6 +155,8 @@ class BlockStore(Protocol):
     def clear_pool(self, pid: int) -> int: ...
 
     def export_pool(self, pid: int) -> tuple[bytes, bytes]: ...
+
+    def export_pool_seqs(self, pid: int) -> bytes: ...
 
     def load_pool(self, pid: int, seqs: bytes, idents: bytes) -> None: ...
 
@@ -193,6 +210,9 @@ class PyBlockStore:
         self.owners: dict[int, _Owner] = {}
         self.pools: dict[int, _Pool] = {}
         self.now = 0.0
+        # While a cut is open: what the catalog forgot since, with its identity.
+        self.forgotten: dict[int, int] | None = None
+        self.cuts = 0
 
     # --------------------------------------------------------- catalog
 
@@ -242,7 +262,12 @@ class PyBlockStore:
     def _on_retired_drop(self, key: PendingKey, why: str) -> None:
         seq: int = key[1]
         if seq not in self.refs:
-            del self.content[seq]
+            self._forget(seq)
+
+    def _forget(self, seq: int) -> None:
+        ident = self.content.pop(seq, None)
+        if ident is not None and self.forgotten is not None:
+            self.forgotten.setdefault(seq, ident)
 
     def pool_holds(self, ident: int) -> bool:
         return ident in self.pool_counts[HOST] or ident in self.pool_counts[DISK]
@@ -284,7 +309,26 @@ class PyBlockStore:
             self.retired.discard(key)
             seq = key[1]
             if seq not in self.refs:
-                self.content.pop(seq, None)
+                self._forget(seq)
+
+    def begin_cut(self) -> None:
+        self.cuts += 1
+        if self.forgotten is None:
+            self.forgotten = {}
+
+    def end_cut(self) -> None:
+        if not self.cuts:
+            raise AssertionError("end_cut without begin_cut")
+        self.cuts -= 1
+        if not self.cuts:
+            self.forgotten = None
+
+    def cut_identities(self, seqs: bytes) -> bytes:
+        kept = self.forgotten
+        if kept is None:
+            raise AssertionError("no cut is open")
+        content = self.content
+        return pack_u64(kept[s] if s in kept else content[s] for s in unpack_u64(seqs))
 
     def retired_limit(self) -> int:
         return self.retired.max_entries
@@ -423,6 +467,9 @@ class PyBlockStore:
         t = self.owners[slot].tiers[tier]
         return pack_u64(list(t.keys())), pack_u64(list(t.values()))
 
+    def export_owner_seqs(self, slot: int, tier: int) -> bytes:
+        return pack_u64(list(self.owners[slot].tiers[tier]))
+
     def load_owner(self, slot: int, tier: int, seqs: bytes, idents: bytes) -> None:
         owner = self.owners[slot]
         s, i = unpack_u64(seqs), unpack_u64(idents)
@@ -508,6 +555,9 @@ class PyBlockStore:
     def export_pool(self, pid: int) -> tuple[bytes, bytes]:
         b = self.pools[pid].blocks
         return pack_u64(list(b.keys())), pack_u64(list(b.values()))
+
+    def export_pool_seqs(self, pid: int) -> bytes:
+        return pack_u64(list(self.pools[pid].blocks))
 
     def load_pool(self, pid: int, seqs: bytes, idents: bytes) -> None:
         store = self.pools[pid]

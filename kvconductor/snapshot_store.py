@@ -20,23 +20,27 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from kvconductor.block_store import BlockStore
 from kvconductor.index import Index
 from kvconductor.namespace_index import Dirty, NamespaceKey
 from kvconductor.snapshots import (
     SCHEMA_VERSION,
+    CutUnit,
     GenerationUnit,
     Unit,
     UnitKey,
     UnitValue,
+    complete,
     decode_unit,
     encode_unit,
     export_unit,
+    export_unit_at_cut,
     generation_key,
     pending_key,
     unit_namespace,
@@ -85,6 +89,8 @@ QUERIES_EVERY_S = 0.005
 
 UnitId = tuple[str, Any]  # (kind, id), as `export_unit` takes them
 Exported = list[tuple[UnitKey, Unit | None]]
+AtCut = list[tuple[UnitKey, Unit | CutUnit | None]]
+U = TypeVar("U", Unit | None, Unit | CutUnit | None)
 CutObserver = Callable[[Index, int, dict[TopicPartition, int]], None]
 
 
@@ -151,13 +157,17 @@ class SnapshotPublisher:
         try:
             final = await copy.capture(offsets)
             for key, unit in final:
-                copy.encode(key, unit)
+                # Records apply between units again: the identities are the
+                # cut's whatever they change (`BlockStore.begin_cut`).
+                copy.encode(key, complete(unit))
                 await asyncio.sleep(0)
+            copy.end_cut()
             stats = await self._send(copy, started)
         except BaseException:
             copy.give_back()
             raise
         finally:
+            copy.end_cut()
             self.sending = False
         return stats
 
@@ -255,11 +265,13 @@ class _Copy:
         self.cost: dict[UnitId, float] = {}
         self.offsets: dict[TopicPartition, int] = {}
         self.clock = 0.0
+        # Stores whose cut this generation opened (`_final`).
+        self.cut_stores: list[BlockStore] = []
         self.hold_s = 0.0
         self.rounds = 0
         self.final_units = 0
 
-    async def capture(self, offsets: Mapping[TopicPartition, int]) -> Exported:
+    async def capture(self, offsets: Mapping[TopicPartition, int]) -> AtCut:
         """Run the rounds up to the cut; returns the final round's units,
         exported but not encoded yet."""
         lock = self.lock
@@ -330,10 +342,12 @@ class _Copy:
         mean = sum(cost.values()) / len(cost)
         return sum(cost.get(uid, mean) for uid in ids)
 
-    def _export(self, uid: UnitId) -> tuple[UnitKey, Unit | None]:
+    def _export(
+        self, uid: UnitId, export: Callable[[Index, str, Any], tuple[UnitKey, U]]
+    ) -> tuple[UnitKey, U]:
         kind, unit_id = uid
         t = time.perf_counter()
-        key, unit = export_unit(self.index, kind, unit_id)
+        key, unit = export(self.index, kind, unit_id)
         self.cost[uid] = time.perf_counter() - t
         if kind == "q":
             self.versions[unit_id] = self._pending_version(unit_id)
@@ -352,7 +366,7 @@ class _Copy:
                     uid = ids[n]
                     n += 1
                     if not self._stale(uid):
-                        exported.append(self._export(uid))
+                        exported.append(self._export(uid, export_unit))
                     if time.perf_counter() - held >= SLICE_S:
                         break
                 spent += time.perf_counter() - held
@@ -362,13 +376,20 @@ class _Copy:
                 await asyncio.sleep(0)
         return spent
 
-    async def _final(self, ids: list[UnitId], offsets: Mapping[TopicPartition, int]) -> Exported:
+    async def _final(self, ids: list[UnitId], offsets: Mapping[TopicPartition, int]) -> AtCut:
         """Export what is left and read the offsets: the cut. Records are not
-        applied meanwhile (the lock); queries are, now and then."""
-        exported: Exported = []
+        applied meanwhile (the lock); queries are, now and then. Owner and
+        pool units are taken as hashes, their identities read after the
+        lock (`CutUnit`): under full churn most units change between
+        rounds, and the lookups were most of the final round (at 4.3M
+        entries ~0.7 s of records waiting)."""
+        for ns in self.index.namespaces.values():
+            ns.store.begin_cut()
+            self.cut_stores.append(ns.store)
+        exported: AtCut = []
         last = time.perf_counter()
         for uid in ids:
-            exported.append(self._export(uid))
+            exported.append(self._export(uid, export_unit_at_cut))
             if time.perf_counter() - last >= QUERIES_EVERY_S:
                 await asyncio.sleep(0)
                 last = time.perf_counter()
@@ -395,6 +416,12 @@ class _Copy:
             msgspec.msgpack.encode(UnitValue(SCHEMA_VERSION, self.generation, c, len(parts), part))
             for c, part in enumerate(parts)
         ]
+
+    def end_cut(self) -> None:
+        """Close the cuts `_final` opened (once)."""
+        for store in self.cut_stores:
+            store.end_cut()
+        self.cut_stores.clear()
 
     def give_back(self) -> None:
         """The generation is not published: its units stay marked changed."""

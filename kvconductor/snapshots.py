@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
+from kvconductor.block_store import BlockStore
 from kvconductor.index import Index, InstanceState
 from kvconductor.media import DEVICE, DISK, HOST
-from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, Unresolved
+from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, Owner, PoolStore, Unresolved
 from kvconductor.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
 from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 
@@ -167,22 +168,82 @@ def generation_key(name: str) -> UnitKey:
 # --------------------------------------------------------------- export
 
 
-def export_owner(index: Index, ns_key: NamespaceKey, instance: str, rank: int) -> OwnerUnit | None:
+def _owner_at(
+    index: Index, ns_key: NamespaceKey, instance: str, rank: int
+) -> tuple[NamespaceIndex, Owner] | None:
     ns = index.namespaces.get(ns_key)
     owner = ns.owners.get(instance, {}).get(rank) if ns is not None else None
-    if ns is None or owner is None:
+    return None if ns is None or owner is None else (ns, owner)
+
+
+def _pool_at(
+    index: Index, ns_key: NamespaceKey, backend: str, medium: str
+) -> tuple[NamespaceIndex, PoolStore] | None:
+    ns = index.namespaces.get(ns_key)
+    pool = ns.pools.get((backend, medium)) if ns is not None else None
+    return None if ns is None or pool is None else (ns, pool)
+
+
+def export_owner(index: Index, ns_key: NamespaceKey, instance: str, rank: int) -> OwnerUnit | None:
+    found = _owner_at(index, ns_key, instance, rank)
+    if found is None:
         return None
+    ns, owner = found
     tiers = [ns.store.export_owner(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
     return OwnerUnit(instance, rank, [t[0] for t in tiers], [t[1] for t in tiers])
 
 
 def export_pool(index: Index, ns_key: NamespaceKey, backend: str, medium: str) -> PoolUnit | None:
-    ns = index.namespaces.get(ns_key)
-    store = ns.pools.get((backend, medium)) if ns is not None else None
-    if ns is None or store is None:
+    found = _pool_at(index, ns_key, backend, medium)
+    if found is None:
         return None
-    seqs, idents = ns.store.export_pool(store.pid)
-    return PoolUnit(backend, medium, store.tier, seqs, idents)
+    ns, pool = found
+    seqs, idents = ns.store.export_pool(pool.pid)
+    return PoolUnit(backend, medium, pool.tier, seqs, idents)
+
+
+class CutUnit(NamedTuple):
+    """An owner or pool unit exported at a cut with its hashes only: reading
+    each block's identity is a random lookup in the namespace's catalog
+    (most of an export), so `complete` does it after the cut, from the
+    store's cut (`BlockStore.begin_cut`), while records apply again."""
+
+    store: BlockStore
+    unit: OwnerUnit | PoolUnit
+
+
+def export_unit_at_cut(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit | CutUnit | None]:
+    """`export_unit`, with owner and pool units as `CutUnit`s; every
+    namespace's store must have a cut open."""
+    if kind == "o":
+        ns_key, instance, rank = uid
+        key = owner_key(ns_key, instance, rank)
+        found = _owner_at(index, ns_key, instance, rank)
+        if found is None:
+            return key, None
+        ns, owner = found
+        seqs = [ns.store.export_owner_seqs(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
+        return key, CutUnit(ns.store, OwnerUnit(instance, rank, seqs, []))
+    if kind == "p":
+        ns_key, backend, medium = uid
+        key = pool_key(ns_key, backend, medium)
+        found_pool = _pool_at(index, ns_key, backend, medium)
+        if found_pool is None:
+            return key, None
+        ns, pool = found_pool
+        unit = PoolUnit(backend, medium, pool.tier, ns.store.export_pool_seqs(pool.pid), b"")
+        return key, CutUnit(ns.store, unit)
+    return export_unit(index, kind, uid)
+
+
+def complete(unit: Unit | CutUnit | None) -> Unit | None:
+    """A unit exported at a cut, with the identities its blocks had there."""
+    if not isinstance(unit, CutUnit):
+        return unit
+    store, part = unit
+    if isinstance(part, OwnerUnit):
+        return msgspec.structs.replace(part, idents=[store.cut_identities(s) for s in part.seqs])
+    return msgspec.structs.replace(part, idents=store.cut_identities(part.seqs))
 
 
 def export_pending(index: Index, ns_key: NamespaceKey) -> PendingUnit | None:

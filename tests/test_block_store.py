@@ -523,3 +523,33 @@ def test_maps_split_into_shards_past_their_threshold() -> None:
     assert loaded.match_identities(idents[70_000:70_064], 1) == rust.match_identities(
         idents[70_000:70_064], 1
     )
+
+
+@pytest.mark.parametrize("make", [PyBlockStore, _compiled])
+def test_a_cut_keeps_the_identities_it_saw(make: Callable[[int, float], BlockStore]) -> None:
+    """A snapshot exports hashes at its cut and reads their identities
+    after it, with records applied in between: content the catalog forgets
+    meanwhile (by count, by age, cleared, or learnt again under another
+    identity) is still read as it was at the cut."""
+    store = make(2, 10.0)
+    store.add_owner(0)
+    seqs = [11, 12, 13, 14]
+    store.place_owner(0, DEVICE, seqs, [101, 102, 103, 104], 10)
+    with pytest.raises(AssertionError):
+        store.cut_identities(pack_u64(seqs))
+    store.begin_cut()
+    at_cut = store.export_owner_seqs(0, DEVICE)
+    assert sorted(unpack_u64(at_cut)) == seqs
+    store.remove_owner(0, DEVICE, seqs)  # all retired; the bound of 2 forgets two
+    store.set_now(100.0)
+    store.expire(100.0)  # and age forgets the rest
+    assert store.content_len() == 0
+    store.place_owner(0, DEVICE, [11], [999], 10)  # learnt again, another identity
+    want = {11: 101, 12: 102, 13: 103, 14: 104}
+    assert unpack_u64(store.cut_identities(at_cut)) == [want[s] for s in unpack_u64(at_cut)]
+    with pytest.raises(KeyError):
+        store.cut_identities(pack_u64([15]))
+    store.end_cut()
+    assert store.ident(11) == 999
+    with pytest.raises(AssertionError):
+        store.end_cut()

@@ -28,7 +28,7 @@ from consumers.topics import ensure_topics_on
 from kvconductor import snapshot_store
 from kvconductor.core import Conductor
 from kvconductor.daemon import topic_specs
-from kvconductor.index import Index
+from kvconductor.index import Index, IndexLimits
 from kvconductor.snapshot_store import SnapshotPublisher, read_snapshot
 from kvconductor.snapshots import UnitKey, restore, state_fingerprint
 from tests.harness import (
@@ -73,9 +73,14 @@ def table(producer: FakeTxnProducer) -> dict[UnitKey, Any]:
     return {k: u for k, u in producer.units().items() if u is not None}
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+# Tight: retired content is forgotten all the time, by count and by age,
+# between a generation's cut and the reading of its identities.
+TIGHT = IndexLimits(max_retired_content=1, max_pending_age_s=2.0)
+
+
+@pytest.mark.parametrize(("seed", "limits"), [(1, None), (2, None), (3, TIGHT)])
 async def test_generations_captured_while_records_apply_are_exact(
-    seed: int, monkeypatch: pytest.MonkeyPatch
+    seed: int, limits: IndexLimits | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One unit a slice and no cheap final round: the most interleaving.
     monkeypatch.setattr(snapshot_store, "SLICE_S", 0.0)
@@ -84,7 +89,7 @@ async def test_generations_captured_while_records_apply_are_exact(
     rng = random.Random(seed)
     records = [("e", r) for r in engine] + [("p", r) for r in pool]
     rng.shuffle(records)
-    live = Conductor()
+    live = Conductor(limits)
     lock = asyncio.Lock()
     offsets = {EVENTS: 0}
     during = 0  # records applied while a publish was under way
@@ -145,10 +150,10 @@ async def test_generations_captured_while_records_apply_are_exact(
         generations += 1
         rounds += stats.rounds
         cut = stats.offsets[EVENTS]
-        want = Conductor()
+        want = Conductor(limits)
         for i in range(cut):
             ingest(want, i)
-        fresh = Index()
+        fresh = Index(limits)
         restore(fresh, table(producer))
         diff = fingerprint_diff(state_fingerprint(fresh), state_fingerprint(want.index))
         assert diff == [], (generations, cut, diff[:5])

@@ -73,6 +73,10 @@ struct Catalog {
     max_age_s: f64,
     version: u64,
     now: f64,
+    /// While a cut is open (`begin_cut`): what the catalog forgot since,
+    /// with the identity it had, for `cut_identities`.
+    forgotten: Option<HashMap<u64, u64>>,
+    cuts: u32,
 }
 
 impl Catalog {
@@ -86,6 +90,17 @@ impl Catalog {
             max_age_s,
             version: 0,
             now: 0.0,
+            forgotten: None,
+            cuts: 0,
+        }
+    }
+
+    /// Takes `seq` out of the map, keeping its identity while a cut is open.
+    fn forget(&mut self, seq: u64) {
+        if let Some(b) = self.map.remove(&seq) {
+            if let Some(kept) = &mut self.forgotten {
+                kept.entry(seq).or_insert(b.ident);
+            }
         }
     }
 
@@ -185,7 +200,7 @@ impl Catalog {
             return false;
         }
         if let Some(r) = self.queue.pop_front() {
-            self.map.remove(&r.seq);
+            self.forget(r.seq);
             self.live -= 1;
             self.version = next_version();
         }
@@ -210,7 +225,7 @@ impl Catalog {
     fn clear_retired(&mut self) {
         for r in std::mem::take(&mut self.queue) {
             if Catalog::live(&self.map, &r).is_some() {
-                self.map.remove(&r.seq);
+                self.forget(r.seq);
             }
         }
         if self.live > 0 {
@@ -612,6 +627,10 @@ impl BlockStore {
         Ok((&mut self.cat, h))
     }
 
+    fn export_seqs<'py>(py: Python<'py>, held: &HashSet<u64>) -> Bound<'py, PyBytes> {
+        pack(py, held.iter().copied())
+    }
+
     fn export<'py>(
         &self,
         py: Python<'py>,
@@ -840,6 +859,42 @@ impl BlockStore {
         self.cat.clear_retired();
     }
 
+    // ----------------------------------------------------------------- cuts
+
+    fn begin_cut(&mut self) {
+        let cat = &mut self.cat;
+        cat.cuts += 1;
+        cat.forgotten.get_or_insert_with(HashMap::new);
+    }
+
+    fn end_cut(&mut self) -> PyResult<()> {
+        let cat = &mut self.cat;
+        if cat.cuts == 0 {
+            return Err(PyAssertionError::new_err("end_cut without begin_cut"));
+        }
+        cat.cuts -= 1;
+        if cat.cuts == 0 {
+            cat.forgotten = None;
+        }
+        Ok(())
+    }
+
+    fn cut_identities<'py>(&self, py: Python<'py>, seqs: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+        let cat = &self.cat;
+        let Some(kept) = &cat.forgotten else {
+            return Err(PyAssertionError::new_err("no cut is open"));
+        };
+        let seqs = unpack(seqs)?;
+        let mut idents = Vec::with_capacity(seqs.len());
+        for seq in seqs {
+            match kept.get(&seq).copied().or_else(|| cat.ident(seq)) {
+                Some(ident) => idents.push(ident),
+                None => return Err(PyKeyError::new_err(seq)),
+            }
+        }
+        Ok(pack(py, idents.into_iter()))
+    }
+
     fn retired_limit(&self) -> usize {
         self.cat.max_entries
     }
@@ -929,6 +984,10 @@ impl BlockStore {
         Ok(self.export(py, &self.owner(slot)?.tiers[tier_ix(tier)?]))
     }
 
+    fn export_owner_seqs<'py>(&self, py: Python<'py>, slot: usize, tier: usize) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(Self::export_seqs(py, &self.owner(slot)?.tiers[tier_ix(tier)?]))
+    }
+
     fn load_owner(&mut self, slot: usize, tier: usize, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
         let (cat, mut h) = self.owner_tier(slot, tier)?;
         let empty = h.set.is_empty();
@@ -981,6 +1040,10 @@ impl BlockStore {
         pid: i64,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         Ok(self.export(py, &self.pool(pid)?.blocks))
+    }
+
+    fn export_pool_seqs<'py>(&self, py: Python<'py>, pid: i64) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(Self::export_seqs(py, &self.pool(pid)?.blocks))
     }
 
     fn load_pool(&mut self, pid: i64, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
