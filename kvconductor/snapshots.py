@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import msgspec
 
@@ -184,21 +184,33 @@ def _pool_at(
     return None if ns is None or pool is None else (ns, pool)
 
 
-def export_owner(index: Index, ns_key: NamespaceKey, instance: str, rank: int) -> OwnerUnit | None:
+def export_owner(
+    index: Index, ns_key: NamespaceKey, instance: str, rank: int, at_cut: bool
+) -> OwnerUnit | CutUnit | None:
     found = _owner_at(index, ns_key, instance, rank)
     if found is None:
         return None
     ns, owner = found
-    tiers = [ns.store.export_owner(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
+    store = ns.store
+    if at_cut:
+        seqs = [store.export_owner_seqs(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
+        return CutUnit(store, OwnerUnit(instance, rank, seqs, []))
+    tiers = [store.export_owner(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
     return OwnerUnit(instance, rank, [t[0] for t in tiers], [t[1] for t in tiers])
 
 
-def export_pool(index: Index, ns_key: NamespaceKey, backend: str, medium: str) -> PoolUnit | None:
+def export_pool(
+    index: Index, ns_key: NamespaceKey, backend: str, medium: str, at_cut: bool
+) -> PoolUnit | CutUnit | None:
     found = _pool_at(index, ns_key, backend, medium)
     if found is None:
         return None
     ns, pool = found
-    seqs, idents = ns.store.export_pool(pool.pid)
+    store = ns.store
+    if at_cut:
+        unit = PoolUnit(backend, medium, pool.tier, store.export_pool_seqs(pool.pid), b"")
+        return CutUnit(store, unit)
+    seqs, idents = store.export_pool(pool.pid)
     return PoolUnit(backend, medium, pool.tier, seqs, idents)
 
 
@@ -215,25 +227,7 @@ class CutUnit(NamedTuple):
 def export_unit_at_cut(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit | CutUnit | None]:
     """`export_unit`, with owner and pool units as `CutUnit`s; every
     namespace's store must have a cut open."""
-    if kind == "o":
-        ns_key, instance, rank = uid
-        key = owner_key(ns_key, instance, rank)
-        found = _owner_at(index, ns_key, instance, rank)
-        if found is None:
-            return key, None
-        ns, owner = found
-        seqs = [ns.store.export_owner_seqs(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
-        return key, CutUnit(ns.store, OwnerUnit(instance, rank, seqs, []))
-    if kind == "p":
-        ns_key, backend, medium = uid
-        key = pool_key(ns_key, backend, medium)
-        found_pool = _pool_at(index, ns_key, backend, medium)
-        if found_pool is None:
-            return key, None
-        ns, pool = found_pool
-        unit = PoolUnit(backend, medium, pool.tier, ns.store.export_pool_seqs(pool.pid), b"")
-        return key, CutUnit(ns.store, unit)
-    return export_unit(index, kind, uid)
+    return export_unit(index, kind, uid, at_cut=True)
 
 
 def complete(unit: Unit | CutUnit | None) -> Unit | None:
@@ -303,14 +297,29 @@ def all_unit_ids(index: Index) -> Iterator[tuple[str, Any]]:
         yield "i", instance
 
 
-def export_unit(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit | None]:
-    """The key of a unit and its current state (None: gone, a tombstone)."""
+@overload
+def export_unit(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit | None]: ...
+
+
+@overload
+def export_unit(
+    index: Index, kind: str, uid: Any, at_cut: bool
+) -> tuple[UnitKey, Unit | CutUnit | None]: ...
+
+
+def export_unit(
+    index: Index, kind: str, uid: Any, at_cut: bool = False
+) -> tuple[UnitKey, Unit | CutUnit | None]:
+    """The key of a unit and its current state (None: gone, a tombstone);
+    `at_cut`: owner and pool units as `CutUnit`s."""
     if kind == "o":
         ns_key, instance, rank = uid
-        return owner_key(ns_key, instance, rank), export_owner(index, ns_key, instance, rank)
+        unit = export_owner(index, ns_key, instance, rank, at_cut)
+        return owner_key(ns_key, instance, rank), unit
     if kind == "p":
         ns_key, backend, medium = uid
-        return pool_key(ns_key, backend, medium), export_pool(index, ns_key, backend, medium)
+        pool = export_pool(index, ns_key, backend, medium, at_cut)
+        return pool_key(ns_key, backend, medium), pool
     if kind == "q":
         return pending_key(uid), export_pending(index, uid)
     return instance_key(uid), export_instance(index, uid)
