@@ -255,9 +255,14 @@ class PyBlockStore:
             self.retired.add((RETIRED, seq), self.now)
 
     def remember(self, seq: int, ident: int) -> None:
+        self._retire_new(seq, ident, self.now)
+
+    def _retire_new(self, seq: int, ident: int, ts: float) -> None:
+        """Known content nobody holds, retired at `ts`, unless the catalog has it."""
         if seq not in self.content:
+            # Content first: at a bound of 0 the add evicts it at once.
             self.content[seq] = ident
-            self.retired.add((RETIRED, seq), self.now)
+            self.retired.add((RETIRED, seq), ts)
 
     def _on_retired_drop(self, key: PendingKey, why: str) -> None:
         seq: int = key[1]
@@ -299,10 +304,7 @@ class PyBlockStore:
         if not len(s) == len(i) == len(t):
             raise ValueError("retired arrays of different lengths")
         for seq, ident, at in zip(s, i, t, strict=True):
-            if seq not in self.content:
-                # Content first: at a bound of 0 the add evicts it at once.
-                self.content[seq] = ident
-                self.retired.add((RETIRED, seq), at)
+            self._retire_new(seq, ident, at)
 
     def clear_retired(self) -> None:
         for key, _ in self.retired:

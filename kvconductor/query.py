@@ -105,7 +105,7 @@ def run_query(
     prompt = _prompt(req, packed)
     found = _matched(ns, req, prompt)
     answer = {} if found is None else found[0].answer_shape().shape(found[1], False)
-    if salted is not None and isinstance(req, TokenQuery) and req.cache_salt:
+    if _salted_too(req, salted):
         fp = extra_keys_fingerprint([req.cache_salt])
         extra = _matched(salted, req, prompt, fp)
         if extra is not None:
@@ -122,12 +122,18 @@ def run_query_json(
     """`run_query`'s answer as the JSON body the HTTP API sends, written
     straight from the matched lengths (an answer's dicts cost more than the
     walk at a hundred instances), unless two namespaces' answers merge."""
-    if salted is not None and isinstance(req, TokenQuery) and req.cache_salt:
+    if _salted_too(req, salted):
         return _encoder.encode(run_query(ns, req, salted, packed))
     found = _matched(ns, req, _prompt(req, packed))
     if found is None:
         return b"{}"
     return found[0].answer_shape().shape_json(found[1])
+
+
+def _salted_too(req: TokenQuery | HashQuery, salted: NamespaceIndex | None) -> bool:
+    """Whether the salted namespace's unsalted twin answers too: for a token
+    query with a per-request salt (engine hashes already cover one)."""
+    return salted is not None and isinstance(req, TokenQuery) and bool(req.cache_salt)
 
 
 def _prompt(req: TokenQuery | HashQuery, packed: bytes | None) -> bytes | list[int]:

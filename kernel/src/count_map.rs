@@ -20,7 +20,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
-use crate::sharded::{SHARDS, SHARD_BITS, SPLIT_AT};
+use crate::sharded::{share, shard_of, SHARDS, SPLIT_AT};
 
 /// At most this share of slots in use (in eighths): a miss scans on to an
 /// empty slot, and longer runs make misses slower.
@@ -109,7 +109,7 @@ impl CountMap {
     #[inline]
     fn locate(&self, key: u64) -> (u64, usize) {
         let h = self.hasher.hash_one(key);
-        let t = if self.tables.len() == SHARDS { (h >> (64 - SHARD_BITS)) as usize } else { 0 };
+        let t = if self.tables.len() == SHARDS { shard_of(h) } else { 0 };
         (h, t)
     }
 
@@ -155,9 +155,9 @@ impl CountMap {
     /// Room for `n` more keys without growing (spread evenly when split).
     pub fn reserve(&mut self, n: usize) {
         self.split_if(self.len + n);
-        let share = if self.tables.len() == SHARDS { n / SHARDS + n / (4 * SHARDS) } else { n };
+        let room = share(n, self.tables.len() == SHARDS);
         for table in &mut self.tables {
-            table.reserve(share, &self.hasher);
+            table.reserve(room, &self.hasher);
         }
     }
 
@@ -172,8 +172,9 @@ impl CountMap {
         }
         let old = std::mem::take(&mut self.tables).pop().unwrap_or_default();
         self.tables.resize_with(SHARDS, Table::default);
+        let room = share(want, true);
         for table in &mut self.tables {
-            table.reserve(want / SHARDS + want / (4 * SHARDS), &self.hasher);
+            table.reserve(room, &self.hasher);
         }
         for (k, v) in old.slots {
             if v != 0 {

@@ -13,10 +13,27 @@ use std::hash::BuildHasher;
 use foldhash::fast::RandomState;
 use hashbrown::HashMap;
 
-pub const SHARD_BITS: u32 = 6;
+const SHARD_BITS: u32 = 6;
 pub const SHARDS: usize = 1 << SHARD_BITS;
 /// Keys at which a map splits: its doubling then costs about a millisecond.
 pub const SPLIT_AT: usize = 1 << 16;
+
+/// The shard of a key hashed to `h` (its top bits), once a map is split.
+#[inline]
+pub fn shard_of(h: u64) -> usize {
+    (h >> (64 - SHARD_BITS)) as usize
+}
+
+/// Room for each table when `n` keys spread over a map's tables: all of
+/// them in one, or a sixty-fourth and a quarter more (a random split is
+/// not even) in each of `SHARDS`.
+pub fn share(n: usize, split: bool) -> usize {
+    if split {
+        n / SHARDS + n / (4 * SHARDS)
+    } else {
+        n
+    }
+}
 
 /// `HashMap<u64, V>`, split into shards once large (see the module doc).
 pub struct ShardedMap<V> {
@@ -37,7 +54,7 @@ impl<V> ShardedMap<V> {
     #[inline]
     fn shard(&self, key: u64) -> usize {
         if self.shards.len() == SHARDS {
-            (self.pick.hash_one(key) >> (64 - SHARD_BITS)) as usize
+            shard_of(self.pick.hash_one(key))
         } else {
             0
         }
@@ -78,9 +95,9 @@ impl<V> ShardedMap<V> {
     /// Room for `n` more keys without growing (spread evenly when split).
     pub fn reserve(&mut self, n: usize) {
         self.split_if(self.len + n);
-        let share = if self.shards.len() == SHARDS { n / SHARDS + n / (4 * SHARDS) } else { n };
+        let room = share(n, self.shards.len() == SHARDS);
         for shard in &mut self.shards {
-            shard.reserve(share);
+            shard.reserve(room);
         }
     }
 
@@ -94,8 +111,8 @@ impl<V> ShardedMap<V> {
             return;
         }
         let old = std::mem::take(&mut self.shards);
-        let share = want / SHARDS + want / (4 * SHARDS);
-        self.shards = (0..SHARDS).map(|_| HashMap::with_capacity(share)).collect();
+        let room = share(want, true);
+        self.shards = (0..SHARDS).map(|_| HashMap::with_capacity(room)).collect();
         for (k, v) in old.into_iter().flatten() {
             let s = self.shard(k);
             self.shards[s].insert(k, v);

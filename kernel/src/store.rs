@@ -636,9 +636,8 @@ impl BlockStore {
         py: Python<'py>,
         held: &HashSet<u64>,
     ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
-        let seqs = pack(py, held.iter().copied());
         let idents = pack(py, held.iter().map(|&s| self.cat.held_ident(s)));
-        (seqs, idents)
+        (Self::export_seqs(py, held), idents)
     }
 
     /// The walk of `PyBlockStore._match`: the listed 64-slot words walk the
