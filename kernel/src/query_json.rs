@@ -15,7 +15,9 @@ use serde::Deserialize;
 #[derive(Deserialize)]
 struct TokenQuery {
     model: String,
-    block_size: i64,
+    /// Any integer msgspec reads as an `int` (i64 or u64); the index says
+    /// whether it is a block size.
+    block_size: serde_json::Number,
     #[serde(deserialize_with = "packed_tokens")]
     token_ids: Vec<u8>,
     lora_name: Option<String>,
@@ -47,7 +49,7 @@ fn packed_tokens<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
 
 type Read<'py> = (
     String,
-    i64,
+    i128,
     Bound<'py, PyBytes>,
     Option<String>,
     Option<String>,
@@ -62,6 +64,11 @@ pub fn read_token_query<'py>(py: Python<'py>, body: &[u8]) -> Option<Read<'py>> 
         return None;
     }
     let q: TokenQuery = serde_json::from_slice(body).ok()?;
+    let block_size = match (q.block_size.as_i64(), q.block_size.as_u64()) {
+        (Some(n), _) => i128::from(n),
+        (None, Some(n)) => i128::from(n),
+        _ => return None, // a float: the typed decoder says no
+    };
     let tokens = PyBytes::new(py, &q.token_ids);
-    Some((q.model, q.block_size, tokens, q.lora_name, q.tenant_id, q.instance_id, q.cache_salt))
+    Some((q.model, block_size, tokens, q.lora_name, q.tenant_id, q.instance_id, q.cache_salt))
 }
