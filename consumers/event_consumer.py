@@ -26,6 +26,7 @@ from consumers.repartitioner import KIND, ORIGIN_KEY
 from kvconductor.core import Conductor
 from kvconductor.errors import BadRecord, DecodeError
 from kvconductor.metrics import Metrics
+from kvconductor.records_first import RecordsFirst
 
 log = structlog.get_logger("kvconductor.consumer")
 
@@ -101,6 +102,8 @@ class EventConsumer:
         # the rebalance hooks and checkpoints all hold this lock, and a batch
         # fetched before a rebalance is dropped (the hooks' seeks re-deliver it).
         self.lock = asyncio.Lock()
+        # Snapshot work waits its turn while a batch is applied.
+        self.records_first = RecordsFirst()
         self.epoch = 0
         # Wall-clock time Kafka was last heard from, besides fetch responses
         # (see `silent_for`).
@@ -151,9 +154,21 @@ class EventConsumer:
             # assign hook's seek landed. The hook positions every partition it
             # is given, so the next fetch reads from there.
             return 0
-        handled = 0
         if batch:
             self._heard = time.time()
+            self.records_first.applying()
+        try:
+            handled = await self._apply_batch(batch, epoch)
+        finally:
+            self.records_first.done()
+        self._measure_lag()
+        if not self.caught_up:
+            self.caught_up = await self._is_caught_up()
+        return handled
+
+    async def _apply_batch(self, batch: dict[TopicPartition, list[Any]], epoch: int) -> int:
+        """Apply a fetched batch under the lock; returns the records handled."""
+        handled = 0
         async with self.lock:
             expected = self.applied_offsets
             if epoch != self.epoch:
@@ -178,9 +193,6 @@ class EventConsumer:
                 if records:
                     expected[tp] = max(start, records[-1].offset + 1)
             await self.dead_letters.flush()
-        self._measure_lag()
-        if not self.caught_up:
-            self.caught_up = await self._is_caught_up()
         return handled
 
     async def poll_or_back_off(self, timeout_ms: int, doing: str) -> bool:

@@ -407,7 +407,12 @@ class Daemon:
         if self._renew_snapshot_producer:
             await self._renew_publisher()
         try:
-            stats = await publisher.publish(self.conductor.index, events.applied_offsets, lock=lock)
+            stats = await publisher.publish(
+                self.conductor.index,
+                events.applied_offsets,
+                lock=lock,
+                records_first=events.records_first if lock is not None else None,
+            )
         except ProducerFenced as exc:
             raise FatalError(
                 "another daemon took over this transactional id (kafka.client_id must be "

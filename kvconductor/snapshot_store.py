@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from kvconductor.block_store import BlockStore
 from kvconductor.index import Index
 from kvconductor.namespace_index import Dirty, NamespaceKey
+from kvconductor.records_first import RecordsFirst
 from kvconductor.snapshots import (
     SCHEMA_VERSION,
     CutUnit,
@@ -36,7 +37,7 @@ from kvconductor.snapshots import (
     Unit,
     UnitKey,
     UnitValue,
-    complete,
+    completing,
     decode_unit,
     encode_unit,
     export_unit,
@@ -137,6 +138,7 @@ class SnapshotPublisher:
         offsets: Mapping[TopicPartition, int],
         *,
         lock: asyncio.Lock | None = None,
+        records_first: RecordsFirst | None = None,
     ) -> PublishStats:
         """Publish one generation: the units changed since the last one and
         the offsets they reflect, atomically.
@@ -151,16 +153,18 @@ class SnapshotPublisher:
         (the cut), and the transaction is sent outside it. A unit that
         changes after its export is marked again, so every unit is
         published as it was at the cut. If the transaction fails, the
-        units' marks are given back: the next generation rewrites them."""
+        units' marks are given back: the next generation rewrites them.
+
+        `records_first`: outside the final round, the work goes on in
+        steps that give way to records being applied (see `RecordsFirst`)."""
         started = time.monotonic()
-        copy = _Copy(self, index, lock)
+        copy = _Copy(self, index, lock, records_first)
         try:
             final = await copy.capture(offsets)
             for key, unit in final:
-                # Records apply between units again: the identities are the
+                # Records apply between steps again: the identities are the
                 # cut's whatever they change (`BlockStore.begin_cut`).
-                copy.encode(key, complete(unit))
-                await asyncio.sleep(0)
+                copy.encode(key, await copy.complete(unit))
             copy.end_cut()
             stats = await self._send(copy, started)
         except BaseException:
@@ -186,7 +190,7 @@ class SnapshotPublisher:
                     tombstones += 1
                 units += bool(records)
                 # Sends rarely wait: let records and queries in between units.
-                await asyncio.sleep(0)
+                await copy.turn()
             now = time.time()
             for tp, offset in copy.offsets.items():
                 cut = [(tp.topic, tp.partition, offset)]
@@ -249,10 +253,13 @@ class _Copy:
         publisher: SnapshotPublisher,
         index: Index,
         lock: asyncio.Lock | None,
+        records_first: RecordsFirst | None,
     ) -> None:
         self.publisher = publisher
         self.index = index
         self.lock = lock
+        # Between two steps of work outside the final round.
+        self.turn = records_first.turn if records_first is not None else _next_tasks
         self.generation = publisher.generation + 1
         # Per unit key, its chunks' record values; empty: the unit is gone.
         self.records: dict[UnitKey, list[bytes]] = {}
@@ -279,6 +286,7 @@ class _Copy:
             return await self._final(self._take(), offsets)
         spent = float("inf")  # export seconds of the last pre-copy round
         while True:
+            await self.turn()
             async with lock:
                 held = time.perf_counter()
                 ids = self._take()
@@ -359,6 +367,7 @@ class _Copy:
         n = 0
         spent = 0.0
         while n < len(ids):
+            await self.turn()
             async with lock:
                 held = time.perf_counter()
                 exported: Exported = []
@@ -373,7 +382,7 @@ class _Copy:
                 self._held(held)
             for key, unit in exported:
                 self.encode(key, unit)
-                await asyncio.sleep(0)
+                await self.turn()
         return spent
 
     async def _final(self, ids: list[UnitId], offsets: Mapping[TopicPartition, int]) -> AtCut:
@@ -402,6 +411,17 @@ class _Copy:
             publisher.observe_cut(self.index, self.generation, self.offsets)
         return exported
 
+    async def complete(self, unit: Unit | CutUnit | None) -> Unit | None:
+        """`snapshots.completing`, with a turn after each step."""
+        steps = completing(unit)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                completed: Unit | None = done.value
+                return completed
+            await self.turn()
+
     def _held(self, since: float) -> None:
         self.hold_s = max(self.hold_s, time.perf_counter() - since)
 
@@ -429,6 +449,11 @@ class _Copy:
         dirty.owners |= self.taken.owners
         dirty.pools |= self.taken.pools
         dirty.instances |= self.taken.instances
+
+
+async def _next_tasks() -> None:
+    """Let the tasks that are ready run (a query, the next batch)."""
+    await asyncio.sleep(0)
 
 
 def generation_key_for(tp: TopicPartition) -> UnitKey:
