@@ -11,14 +11,16 @@ are acknowledged, so a crash can repeat a batch but never skip one.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from itertools import repeat
 from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
-from aiokafka.structs import OffsetAndMetadata
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from consumers.dead_letters import DeadLetterWriter
 from consumers.positions import resume_positions
@@ -55,6 +57,29 @@ class RateLimitedLog:
         self._last[kind] = now
         suppressed = self._suppressed.pop(kind, 0)
         log.warning(event, kind=kind, suppressed_since_last=suppressed, **fields)
+
+
+def in_produce_order(
+    batch: Mapping[TopicPartition, list[ConsumerRecord]],
+) -> Iterator[tuple[TopicPartition, ConsumerRecord]]:
+    """A fetched batch's records across its partitions by timestamp, each
+    partition's in offset order (merged, never sorted: producers' clocks
+    may disagree within a partition).
+
+    Applied partition after partition, a record waited for the batch's
+    records of the partitions before it, produced after it or not: at the
+    benchmark's half load a batch spans ~0.1-0.4 s of records over six
+    partitions, and that wait was most of the produce-to-queryable tail."""
+    if len(batch) == 1:
+        ((tp, records),) = batch.items()
+        return ((tp, r) for r in records)
+    by_partition = [zip(repeat(tp), records) for tp, records in batch.items()]
+    return heapq.merge(*by_partition, key=_timestamp)
+
+
+def _timestamp(item: tuple[TopicPartition, ConsumerRecord]) -> int:
+    ts: int = item[1].timestamp
+    return ts
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -166,7 +191,9 @@ class EventConsumer:
             self.caught_up = await self._is_caught_up()
         return handled
 
-    async def _apply_batch(self, batch: dict[TopicPartition, list[Any]], epoch: int) -> int:
+    async def _apply_batch(
+        self, batch: dict[TopicPartition, list[ConsumerRecord]], epoch: int
+    ) -> int:
         """Apply a fetched batch under the lock; returns the records handled."""
         handled = 0
         async with self.lock:
@@ -180,18 +207,15 @@ class EventConsumer:
                     if tp in assigned and tp in expected:
                         self.consumer.seek(tp, expected[tp])
                 return 0
-            for tp, records in batch.items():
-                start = expected.get(tp, 0)
-                for record in records:
-                    if record.offset < start:
-                        continue  # applied already (never apply a record twice)
-                    await self._apply(record)
-                    handled += 1
-                    if not handled % YIELD_EVERY:
-                        # Let queries in: a batch takes seconds when behind.
-                        await asyncio.sleep(0)
-                if records:
-                    expected[tp] = max(start, records[-1].offset + 1)
+            for tp, record in in_produce_order(batch):
+                if record.offset < expected.get(tp, 0):
+                    continue  # applied already (never apply a record twice)
+                await self._apply(record)
+                expected[tp] = record.offset + 1
+                handled += 1
+                if not handled % YIELD_EVERY:
+                    # Let queries in: a batch takes seconds when behind.
+                    await asyncio.sleep(0)
             await self.dead_letters.flush()
         return handled
 
