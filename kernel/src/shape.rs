@@ -31,6 +31,9 @@ type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<u8>, Vec<(i64, usize)>)>;
 /// Blocks matched by one owner: GPU, CPU, DISK.
 type Lengths = (u64, u64, u64);
 
+/// Owner slots whose answer table fits on the stack (8 KB).
+const STACK_SLOTS: usize = 256;
+
 #[pyclass(frozen, module = "kvconductor._kernel")]
 pub struct AnswerShape {
     tenant: Py<PyString>,
@@ -42,16 +45,37 @@ pub struct AnswerShape {
 }
 
 impl AnswerShape {
-    /// Per slot, the listed owners' lengths.
-    fn by_slot(&self, lengths: &Bound<'_, PyList>, hits_only: bool) -> PyResult<Vec<Option<Lengths>>> {
-        let mut by_slot: Vec<Option<Lengths>> = vec![None; self.slots];
+    /// Per slot, the listed owners' lengths, in `table` (`self.slots` of
+    /// them, all None).
+    fn by_slot(&self, lengths: &Bound<'_, PyList>, hits_only: bool, table: &mut [Option<Lengths>]) -> PyResult<()> {
         for item in lengths.iter() {
             let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
             if (d != 0 || !hits_only) && slot < self.slots {
-                by_slot[slot] = Some((g, c, d));
+                table[slot] = Some((g, c, d));
             }
         }
-        Ok(by_slot)
+        Ok(())
+    }
+
+    /// `f` with `by_slot`'s table, on the stack for up to `STACK_SLOTS`
+    /// owners: a 4 KB heap table a query cost ~5 us in malloc, which
+    /// consolidates its fast bins before every request of that size.
+    fn with_by_slot<T>(
+        &self,
+        lengths: &Bound<'_, PyList>,
+        hits_only: bool,
+        f: impl FnOnce(&[Option<Lengths>]) -> PyResult<T>,
+    ) -> PyResult<T> {
+        let mut stack = [None; STACK_SLOTS];
+        let mut heap = Vec::new();
+        let table = if self.slots <= STACK_SLOTS {
+            &mut stack[..self.slots]
+        } else {
+            heap.resize(self.slots, None);
+            &mut heap[..]
+        };
+        self.by_slot(lengths, hits_only, table)?;
+        f(table)
     }
 
     /// Each listed instance with its listed ranks' lengths and its best
@@ -99,81 +123,83 @@ impl AnswerShape {
         lengths: &Bound<'py, PyList>,
         hits_only: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let by_slot = self.by_slot(lengths, hits_only)?;
-        let bs = self.block_size;
-        let keys = [
-            pyo3::intern!(py, "longest_matched"),
-            pyo3::intern!(py, "GPU"),
-            pyo3::intern!(py, "CPU"),
-            pyo3::intern!(py, "DISK"),
-            pyo3::intern!(py, "DP"),
-        ];
-        let out = PyDict::new(py);
-        for (inst, (g, c, d), ranks) in self.rows(&by_slot) {
-            // One int object wherever the row repeats a number (DISK is
-            // longest_matched, and GPU or CPU often equal it): at a hundred
-            // instances the answer's allocations are most of its cost.
-            let disk = (d * bs).into_pyobject(py)?;
-            let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
-            let dp = PyDict::new(py);
-            for (rank, m) in ranks {
-                dp.set_item(rank.key.bind(py), same(m.2)?)?;
+        self.with_by_slot(lengths, hits_only, |by_slot| {
+            let bs = self.block_size;
+            let keys = [
+                pyo3::intern!(py, "longest_matched"),
+                pyo3::intern!(py, "GPU"),
+                pyo3::intern!(py, "CPU"),
+                pyo3::intern!(py, "DISK"),
+                pyo3::intern!(py, "DP"),
+            ];
+            let out = PyDict::new(py);
+            for (inst, (g, c, d), ranks) in self.rows(by_slot) {
+                // One int object wherever the row repeats a number (DISK is
+                // longest_matched, and GPU or CPU often equal it): at a hundred
+                // instances the answer's allocations are most of its cost.
+                let disk = (d * bs).into_pyobject(py)?;
+                let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
+                let dp = PyDict::new(py);
+                for (rank, m) in ranks {
+                    dp.set_item(rank.key.bind(py), same(m.2)?)?;
+                }
+                let row = PyDict::new(py);
+                row.set_item(keys[0], &disk)?;
+                row.set_item(keys[1], same(g)?)?;
+                row.set_item(keys[2], same(c)?)?;
+                row.set_item(keys[3], &disk)?;
+                row.set_item(keys[4], dp)?;
+                out.set_item(inst.name.bind(py), row)?;
             }
-            let row = PyDict::new(py);
-            row.set_item(keys[0], &disk)?;
-            row.set_item(keys[1], same(g)?)?;
-            row.set_item(keys[2], same(c)?)?;
-            row.set_item(keys[3], &disk)?;
-            row.set_item(keys[4], dp)?;
-            out.set_item(inst.name.bind(py), row)?;
-        }
-        let answer = PyDict::new(py);
-        if !out.is_empty() {
-            answer.set_item(self.tenant.bind(py), out)?;
-        }
-        Ok(answer)
+            let answer = PyDict::new(py);
+            if !out.is_empty() {
+                answer.set_item(self.tenant.bind(py), out)?;
+            }
+            Ok(answer)
+        })
     }
 
     /// `shape`'s answer (with every listed owner) as the JSON msgspec
     /// writes for it.
     fn shape_json<'py>(&self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
-        let by_slot = self.by_slot(lengths, false)?;
-        let bs = self.block_size;
-        // `{tenant:{` then the rows; with no row, the answer is `{}`.
-        let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * self.instances.len());
-        out.push(b'{');
-        out.extend_from_slice(&self.tenant_json);
-        out.push(b':');
-        let head = out.len();
-        let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
-        for (inst, (g, c, d), ranks) in self.rows(&by_slot) {
-            out.push(if out.len() == head { b'{' } else { b',' });
-            out.extend_from_slice(&inst.name_json);
-            let d = disk.format(d * bs).as_bytes();
-            out.extend_from_slice(b":{\"longest_matched\":");
-            out.extend_from_slice(d);
-            out.extend_from_slice(b",\"GPU\":");
-            out.extend_from_slice(num.format(g * bs).as_bytes());
-            out.extend_from_slice(b",\"CPU\":");
-            out.extend_from_slice(num.format(c * bs).as_bytes());
-            out.extend_from_slice(b",\"DISK\":");
-            out.extend_from_slice(d);
-            out.extend_from_slice(b",\"DP\":{");
-            for (i, (rank, m)) in ranks.enumerate() {
-                if i > 0 {
-                    out.push(b',');
+        self.with_by_slot(lengths, false, |by_slot| {
+            let bs = self.block_size;
+            // `{tenant:{` then the rows; with no row, the answer is `{}`.
+            let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * self.instances.len());
+            out.push(b'{');
+            out.extend_from_slice(&self.tenant_json);
+            out.push(b':');
+            let head = out.len();
+            let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
+            for (inst, (g, c, d), ranks) in self.rows(by_slot) {
+                out.push(if out.len() == head { b'{' } else { b',' });
+                out.extend_from_slice(&inst.name_json);
+                let d = disk.format(d * bs).as_bytes();
+                out.extend_from_slice(b":{\"longest_matched\":");
+                out.extend_from_slice(d);
+                out.extend_from_slice(b",\"GPU\":");
+                out.extend_from_slice(num.format(g * bs).as_bytes());
+                out.extend_from_slice(b",\"CPU\":");
+                out.extend_from_slice(num.format(c * bs).as_bytes());
+                out.extend_from_slice(b",\"DISK\":");
+                out.extend_from_slice(d);
+                out.extend_from_slice(b",\"DP\":{");
+                for (i, (rank, m)) in ranks.enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    out.push(b'"');
+                    out.extend_from_slice(num.format(rank.rank).as_bytes());
+                    out.extend_from_slice(b"\":");
+                    out.extend_from_slice(num.format(m.2 * bs).as_bytes());
                 }
-                out.push(b'"');
-                out.extend_from_slice(num.format(rank.rank).as_bytes());
-                out.extend_from_slice(b"\":");
-                out.extend_from_slice(num.format(m.2 * bs).as_bytes());
+                out.extend_from_slice(b"}}");
+            }
+            if out.len() == head {
+                return Ok(PyBytes::new(py, b"{}"));
             }
             out.extend_from_slice(b"}}");
-        }
-        if out.len() == head {
-            return Ok(PyBytes::new(py, b"{}"));
-        }
-        out.extend_from_slice(b"}}");
-        Ok(PyBytes::new(py, &out))
+            Ok(PyBytes::new(py, &out))
+        })
     }
 }

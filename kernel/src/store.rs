@@ -705,7 +705,7 @@ impl BlockStore {
             }
             i += ids.len();
         }
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(words.iter().map(|w| w.listed.count_ones() as usize).sum());
         for word in &mut words {
             let (g, c, d) = (word.g, word.c, word.d);
             ended(g, i, &mut word.ends[0]);
