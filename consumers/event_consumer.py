@@ -67,9 +67,11 @@ def in_produce_order(
     may disagree within a partition).
 
     Applied partition after partition, a record waited for the batch's
-    records of the partitions before it, produced after it or not: at the
-    benchmark's half load a batch spans ~0.1-0.4 s of records over six
-    partitions, and that wait was most of the produce-to-queryable tail."""
+    records of the partitions before it, produced after it or not. While
+    the daemon keeps up batches are small and it makes no measurable
+    difference (docs/benchmarks.md); once it falls behind a batch spans
+    seconds, and this bounds a record's wait by what was produced before
+    it."""
     if len(batch) == 1:
         ((tp, records),) = batch.items()
         return ((tp, r) for r in records)
@@ -273,7 +275,10 @@ class EventConsumer:
             return
         instance = key.decode("utf-8", "replace") if key else ""
         if applied.resync:
-            log.warning(
+            # Once a minute per instance at most: a flapping bridge resyncs
+            # on every restart (counted in index_events_total{kind="resyncs"}).
+            self.problems.warn(
+                f"resync:{instance}",
                 "instance resynchronised: its stream had an unfillable gap, stale blocks cleared",
                 instance=instance,
                 headers={k: v.decode("utf-8", "replace") for k, v in record.headers or ()},

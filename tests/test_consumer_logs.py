@@ -1,0 +1,38 @@
+"""The event consumer's warnings stay readable under a flood: a resync is
+logged once a minute per instance at most, with the count held back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiokafka.structs import ConsumerRecord
+from structlog.testing import capture_logs
+
+from consumers.event_consumer import EventConsumer
+from kvconductor.core import Conductor
+from kvconductor.metrics import Metrics
+
+RESYNC = "instance resynchronised: its stream had an unfillable gap, stale blocks cleared"
+
+
+def _resync(instance: str, offset: int) -> ConsumerRecord[bytes, bytes]:
+    headers = [("kv-control", b"resync"), ("kv-control-reason", b"bridge restarted")]
+    return ConsumerRecord(
+        "engine", 0, offset, 1_000, 0, instance.encode(), b"", None, 1, 0, headers
+    )
+
+
+async def test_resyncs_are_logged_once_a_minute_per_instance() -> None:
+    conductor = Conductor()
+    unused: Any = None  # no fetch and no dead letter in this test
+    events = EventConsumer(unused, conductor, Metrics(conductor), unused, "engine", "pool", 10)
+    with capture_logs() as logs:
+        for offset, instance in enumerate(["a", "a", "a", "b"]):
+            await events._apply(_resync(instance, offset))
+    warned = [(e["instance"], e["suppressed_since_last"]) for e in logs if e["event"] == RESYNC]
+    assert warned == [("a", 0), ("b", 0)]
+    events.problems.interval_s = 0.0
+    with capture_logs() as logs:
+        await events._apply(_resync("a", 4))
+    warned = [(e["instance"], e["suppressed_since_last"]) for e in logs if e["event"] == RESYNC]
+    assert warned == [("a", 2)]
