@@ -412,7 +412,7 @@ class Daemon:
                 self.conductor.index,
                 events.applied_offsets,
                 lock=lock,
-                records_first=events.records_first if lock is not None else None,
+                records_first=events.records_first,
             )
         except ProducerFenced as exc:
             raise FatalError(

@@ -155,8 +155,9 @@ class SnapshotPublisher:
         published as it was at the cut. If the transaction fails, the
         units' marks are given back: the next generation rewrites them.
 
-        `records_first`: outside the final round, the work goes on in
-        steps that give way to records being applied (see `RecordsFirst`)."""
+        `records_first` (with `lock`): outside the final round, the work
+        goes on in steps that give way to records being applied (see
+        `RecordsFirst`)."""
         started = time.monotonic()
         copy = _Copy(self, index, lock, records_first)
         try:
@@ -258,8 +259,11 @@ class _Copy:
         self.publisher = publisher
         self.index = index
         self.lock = lock
-        # Between two steps of work outside the final round.
-        self.turn = records_first.turn if records_first is not None else _next_tasks
+        # Between two steps of work outside the final round. Without `lock`
+        # the caller keeps records out throughout: nothing to give way to.
+        self.turn = (
+            records_first.turn if records_first is not None and lock is not None else _next_tasks
+        )
         self.generation = publisher.generation + 1
         # Per unit key, its chunks' record values; empty: the unit is gone.
         self.records: dict[UnitKey, list[bytes]] = {}
@@ -286,7 +290,6 @@ class _Copy:
             return await self._final(self._take(), offsets)
         spent = float("inf")  # export seconds of the last pre-copy round
         while True:
-            await self.turn()
             async with lock:
                 held = time.perf_counter()
                 ids = self._take()

@@ -234,8 +234,9 @@ def export_unit_at_cut(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit
 
 def completing(unit: Unit | CutUnit | None) -> Generator[None, None, Unit | None]:
     """A unit exported at a cut, with the identities its blocks had there,
-    read `CUT_PIECE` hashes a step: a pool unit of 265k blocks took 20 ms
-    in one piece, which records waited out. Returns the unit."""
+    read `CUT_PIECE_BYTES` of packed hashes a step: a pool unit of 265k
+    blocks took 20 ms in one piece, which records waited out. Returns the
+    unit."""
     if not isinstance(unit, CutUnit):
         return unit
     store, part = unit
