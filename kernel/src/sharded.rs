@@ -11,6 +11,7 @@
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
+use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 
 const SHARD_BITS: u32 = 6;
@@ -77,12 +78,18 @@ impl<V> ShardedMap<V> {
         self.shards[self.shard(*key)].contains_key(key)
     }
 
-    /// Inserts `value` under `key`, which must be absent.
-    pub fn insert_new(&mut self, key: u64, value: V) {
+    /// The value under `key`, `make()` inserted first when it is absent
+    /// (one probe either way); whether it was inserted.
+    pub fn get_or_insert_with(&mut self, key: u64, make: impl FnOnce() -> V) -> (&mut V, bool) {
         self.split_if(self.len + 1);
         let s = self.shard(key);
-        self.shards[s].insert(key, value);
-        self.len += 1;
+        match self.shards[s].entry(key) {
+            Entry::Occupied(o) => (o.into_mut(), false),
+            Entry::Vacant(v) => {
+                self.len += 1;
+                (v.insert(make()), true)
+            }
+        }
     }
 
     pub fn remove(&mut self, key: &u64) -> Option<V> {

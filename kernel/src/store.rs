@@ -120,17 +120,10 @@ impl Catalog {
 
     /// A reference on `seq`'s content; its canonical identity.
     fn acquire(&mut self, seq: u64, ident: u64) -> u64 {
-        let (canon, revived) = match self.map.get_mut(&seq) {
-            Some(b) => {
-                let revived = b.refs == 0;
-                b.refs += 1;
-                (b.ident, revived)
-            }
-            None => {
-                self.map.insert_new(seq, Block { ident, refs: 1, stamp: 0 });
-                (ident, false)
-            }
-        };
+        let (b, new) = self.map.get_or_insert_with(seq, || Block { ident, refs: 0, stamp: 0 });
+        let revived = !new && b.refs == 0;
+        b.refs += 1;
+        let canon = b.ident;
         if revived {
             self.unqueued();
         }
@@ -157,8 +150,8 @@ impl Catalog {
 
     /// Known content nobody holds, retired at `ts`, unless the catalog has it.
     fn retire_new(&mut self, seq: u64, ident: u64, ts: f64) {
-        if !self.map.contains_key(&seq) {
-            self.map.insert_new(seq, Block { ident, refs: 0, stamp: self.next_stamp });
+        let stamp = self.next_stamp;
+        if self.map.get_or_insert_with(seq, || Block { ident, refs: 0, stamp }).1 {
             self.enqueue(seq, ts);
         }
     }
