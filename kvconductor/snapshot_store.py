@@ -290,6 +290,7 @@ class _Copy:
             return await self._final(self._take(), offsets)
         spent = float("inf")  # export seconds of the last pre-copy round
         while True:
+            await self.turn()
             async with lock:
                 held = time.perf_counter()
                 ids = self._take()
