@@ -161,3 +161,72 @@ def test_read_token_query_takes_only_what_the_typed_decoder_takes(body: bytes) -
             q.instance_id,
             q.cache_salt,
         )
+
+
+# JSON's whitespace, as clients other than msgspec write it.
+space = st.text(" \n\r\t", max_size=2)
+
+
+@st.composite
+def written_bodies(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """A token query as any JSON writer may lay it out, and sometimes one
+    byte off; True when untouched."""
+    tokens = draw(st.lists(st.sampled_from([0, 7, 10, 99_999_999, 123_456_789, 2**32 - 1])))
+    tokens += draw(st.lists(st.integers(0, 2**32 - 1), max_size=20))
+    s = lambda: draw(space).encode()  # noqa: E731 - one draw per gap
+    array = b"[" + s() + (s() + b"," + s()).join(b"%d" % t for t in tokens) + s() + b"]"
+    fields = [
+        b'"model"' + s() + b":" + s() + b'"m\\u00e9"',
+        b'"block_size":16',
+        b'"token_ids":' + array,
+    ]
+    if draw(st.booleans()):
+        fields.append(b'"tenant_id":null')
+    fields = draw(st.permutations(fields))
+    body = s() + b"{" + s() + (s() + b"," + s()).join(fields) + s() + b"}" + s()
+    if not draw(st.booleans()):
+        return body, True
+    at = draw(st.integers(0, len(body)))
+    edit = draw(
+        st.sampled_from([b"", b"0", b"-", b".", b"e", b"+", b",", b"]", b"[", b"}", b'"', b" "])
+    )
+    cut = draw(st.integers(0, 1))
+    return body[:at] + edit + body[at + cut :], False
+
+
+@settings(max_examples=500, deadline=None)
+@given(written_bodies())
+@example((b'{"model":"m","block_size":16,"token_ids":[01]}', False))
+@example((b'{"model":"m","block_size":16,"token_ids":[-0]}', False))
+@example((b'{"model":"m","block_size":16,"token_ids":[1,]}', False))
+@example((b'{"model":"m","block_size":16,"token_ids":[4294967296]}', False))
+@example((b'{"model":"m","block_size":16,"token_ids":[12345678901]}', False))
+@example((b'{"model":"m","block_size":16,"token_ids":[1.0]}', False))
+@example((b'{"model":"m","block_size":16,"token_ids":[1e3]}', False))
+@example((b'{"model":"m","block_size":16,"token_ids":[1]}]', False))
+@example((b'{"model":"m","block_size":16,"tok\\u0065n_ids":[1]}', False))
+def test_read_token_query_reads_any_layout_as_the_typed_decoder_does(
+    written: tuple[bytes, bool],
+) -> None:
+    """The kernel reads the prompt's array itself: whatever it takes, in any
+    layout, is what the typed decoder takes; a plainly valid body is taken."""
+    kernel = _kernel()
+    body, untouched = written
+    read = kernel.read_token_query(body)
+    if untouched:
+        assert read is not None
+    if read is None:
+        return
+    q = msgspec.json.decode(body, type=TokenQuery)
+    assert read == (
+        q.model,
+        q.block_size,
+        pack_tokens(q.token_ids),
+        q.lora_name,
+        q.tenant_id,
+        q.instance_id,
+        q.cache_salt,
+    )
+    if untouched:
+        array = body[body.index(b"[") : body.rindex(b"]") + 1]
+        assert kernel.json_tokens(array) == read[2]

@@ -129,8 +129,7 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, 
 /// API's typed decoder then says what is wrong).
 #[pyfunction]
 fn json_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, PyBytes>> {
-    let tokens: Vec<u32> = serde_json::from_slice(buffer_bytes(&raw)?).ok()?;
-    Some(packed(py, &tokens))
+    Some(PyBytes::new(py, &query_json::json_tokens(buffer_bytes(&raw)?)?))
 }
 
 /// The bytes of a contiguous buffer (a msgspec.Raw or bytes), or None.
