@@ -84,6 +84,12 @@ class ReplicaError(RuntimeError):
     """The replica cannot start (a topic is missing, it was started twice)."""
 
 
+class SnapshotUnusable(ReplicaError):
+    """The snapshot topic holds what this replica's index cannot take (more
+    namespaces or owners than its limits, arrays of different lengths):
+    retrying will not help, as for the daemon, which stops on it."""
+
+
 class _NoDeadLetters(DeadLetterWriter):
     """Read-only: rejected records are counted and logged, never re-published."""
 
@@ -259,7 +265,12 @@ class Replica:
                 raise ReplicaError(f"snapshot topic {k.snapshot_topic!r} does not exist")
             read = await read_snapshot(consumer, k.snapshot_topic)
             index = Index(self.limits)
-            restore(index, read.units)
+            try:
+                restore(index, read.units)
+            except ValueError as exc:
+                raise SnapshotUnusable(
+                    f"the snapshot topic {k.snapshot_topic} cannot be restored: {exc}"
+                ) from exc
             self.conductor.index = index
             self.restored = read
             self.generation = read.generation
@@ -469,7 +480,12 @@ class Replica:
                 log.warning("snapshot units with missing chunks wait", units=len(pieces))
         if not changes:
             return
-        apply_units(self.conductor.index, changes)
+        try:
+            apply_units(self.conductor.index, changes)
+        except ValueError as exc:
+            raise SnapshotUnusable(
+                f"a generation of the snapshot topic cannot be applied: {exc}"
+            ) from exc
         for unit in changes.values():
             if isinstance(unit, GenerationUnit):
                 self.generation = max(self.generation, unit.generation)
@@ -513,7 +529,7 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
             try:
                 await replica.start()
                 break
-            except KafkaAccessError as exc:
+            except (KafkaAccessError, SnapshotUnusable) as exc:
                 log.error(str(exc))
                 return 1
             except (KafkaError, OSError, ReplicaError) as exc:
@@ -535,5 +551,6 @@ __all__ = [
     "Follow",
     "Replica",
     "ReplicaError",
+    "SnapshotUnusable",
     "run_replica",
 ]

@@ -35,7 +35,7 @@ from kvconductor.config import Config
 from kvconductor.core import Conductor
 from kvconductor.daemon import Daemon
 from kvconductor.index import Index, IndexLimits
-from kvconductor.replica import Replica
+from kvconductor.replica import Replica, SnapshotUnusable, run_replica
 from kvconductor.snapshot_store import SnapshotPublisher, chunk_key, read_snapshot
 from kvconductor.snapshots import (
     SCHEMA_VERSION,
@@ -355,6 +355,29 @@ async def test_replica_from_the_snapshot_topic_alone_equals_the_daemon(
                 assert status == 200
                 ask = replica.query if hasattr(q, "token_ids") else replica.query_by_hash
                 assert body == ask(q)
+
+
+@pytest.mark.kafka
+async def test_a_snapshot_past_the_replicas_limits_is_refused_with_the_reason(
+    kafka_bootstrap: str,
+) -> None:
+    cfg = _cfg(kafka_bootstrap)
+    engine, pool = mixed_stream(12, 600)
+    async with running(cfg) as daemon:
+        await produce(kafka_bootstrap, cfg.kafka.engine_topic, engine)
+        await produce(kafka_bootstrap, cfg.kafka.pool_topic, pool)
+        await settled(daemon, cfg)
+        spaces = len(daemon.conductor.index.namespaces)
+    assert spaces > 1
+    small = msgspec.structs.replace(cfg.index, max_namespaces=spaces - 1)
+    replica = Replica(cfg, follow="none", limits=small)
+    for _ in range(2):  # and again: nothing is left half started
+        with pytest.raises(SnapshotUnusable, match=r"cannot be restored: .*max_namespaces"):
+            await replica.start()
+        assert not replica.index.namespaces
+    # The server says so and stops, where a missing topic is waited for.
+    limited = msgspec.structs.replace(cfg, index=small)
+    assert await asyncio.wait_for(run_replica(limited, follow="none"), 30) == 1
 
 
 @pytest.mark.kafka
