@@ -200,17 +200,7 @@ class Daemon:
     async def _start_client(self, what: str, make: Any) -> Any:
         """Start a fresh Kafka client, retrying with a new one until it starts."""
 
-        async def attempt() -> Any:
-            client = make()
-            try:
-                await client.start()
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await client.stop()
-                raise
-            return client
-
-        return await self._with_backoff(what, attempt)
+        return await self._with_backoff(what, lambda: _started(make))
 
     async def prepare_topics(self) -> None:
         opts = kafka_client_options(self.cfg.kafka)
@@ -451,22 +441,28 @@ class Daemon:
             **kafka_client_options(k),
         )
 
+    def _repartition_producer(self) -> AIOKafkaProducer:
+        k = self.cfg.kafka
+        return AIOKafkaProducer(
+            bootstrap_servers=k.bootstrap_servers,
+            client_id=f"{k.client_id}-repartition",
+            transactional_id=f"{k.group_id}-{k.client_id}-repartition",
+            enable_idempotence=True,
+            # It forwards every engine record: aiokafka's 16 KiB batches (four
+            # typical records) bounded it (see the bridge's batch_size).
+            max_batch_size=512 * 1024,
+            **kafka_client_options(k),
+        )
+
     async def _renew_publisher(self) -> None:
         """Replace the snapshot producer by one with the same transactional
         id, which fences the old one and aborts what it left open."""
         assert self.publisher is not None
-        fresh = self._snapshot_producer()
-        try:
-            await fresh.start()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await fresh.stop()
-            raise
+        fresh = await _started(self._snapshot_producer)
         old, self.publisher.producer = self.publisher.producer, fresh
         self._renew_snapshot_producer = False
         log.info("snapshot producer renewed")
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(old.stop(), STOP_GRACE_S)
+        await _retire(old)
 
     async def run(self) -> None:
         """Run until `stop()`; raises FatalError for conditions that need a human."""
@@ -527,18 +523,7 @@ class Daemon:
             self.events.subscribe()
             if k.repartition:
                 rep_producer = await self._start_client(
-                    "starting repartition producer",
-                    lambda: AIOKafkaProducer(
-                        bootstrap_servers=k.bootstrap_servers,
-                        client_id=f"{k.client_id}-repartition",
-                        transactional_id=f"{k.group_id}-{k.client_id}-repartition",
-                        enable_idempotence=True,
-                        # It forwards every engine record: aiokafka's 16 KiB
-                        # batches (four typical records) bounded it (see the
-                        # bridge's batch_size).
-                        max_batch_size=512 * 1024,
-                        **opts,
-                    ),
+                    "starting repartition producer", self._repartition_producer
                 )
                 rep_consumer = AIOKafkaConsumer(
                     bootstrap_servers=k.bootstrap_servers,
@@ -549,7 +534,7 @@ class Daemon:
                     isolation_level="read_committed",
                     **opts,
                 )
-                clients.extend([rep_consumer, rep_producer])
+                clients.append(rep_consumer)
                 await rep_consumer.start()
                 self.repartitioner = Repartitioner(
                     rep_consumer,
@@ -583,6 +568,8 @@ class Daemon:
                 stage_one.cancel()
                 with contextlib.suppress(Exception):
                     await self._within_grace(stage_one, "repartitioning")
+            if self.repartitioner is not None:
+                clients.append(self.repartitioner.producer)  # renewed, maybe
             for client in (*clients, consumer, producer, snap_producer):
                 if client is not None:
                     with contextlib.suppress(Exception):
@@ -631,15 +618,28 @@ class Daemon:
     async def _repartition_loop(self) -> None:
         stage = self.repartitioner
         assert stage is not None
+        renew = False
         while not self.stopping.is_set():
             try:
+                if renew:
+                    # As for the snapshot producer (aio-libs/aiokafka#1151): a
+                    # transactional producer aiokafka gave up on fails every
+                    # later batch, and stage one would stall for good.
+                    old, stage.producer = stage.producer, await _started(self._repartition_producer)
+                    renew = False
+                    log.info("repartition producer renewed")
+                    await _retire(old)
                 await stage.poll(POLL_TIMEOUT_MS)
             except ProducerFenced as exc:
                 log.error("repartition producer fenced: another daemon uses this client_id")
                 self.stop()
                 raise FatalError("kafka.client_id must be unique per daemon") from exc
             except KafkaError as exc:
-                log.warning("repartitioning failed; retrying the batch", error=str(exc))
+                log.warning(
+                    "repartitioning failed; retrying the batch with a new producer",
+                    error=str(exc),
+                )
+                renew = True
                 await asyncio.sleep(1.0)
 
     async def _last_checkpoint(self) -> None:
@@ -674,6 +674,25 @@ class Daemon:
         if not self.stopping.is_set():
             self._stop_by = time.monotonic() + STOP_GRACE_S
         self.stopping.set()
+
+
+async def _started(make: Callable[[], Any]) -> Any:
+    """A Kafka client from `make`, started; stopped again if it fails to."""
+    client = make()
+    try:
+        await client.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await client.stop()
+        raise
+    return client
+
+
+async def _retire(producer: AIOKafkaProducer) -> None:
+    """Stop a producer a successor replaced, within the stop grace: one
+    aiokafka gave up on may not stop cleanly."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(producer.stop(), STOP_GRACE_S)
 
 
 async def run_daemon(cfg: Config) -> int:

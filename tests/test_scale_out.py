@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
+from aiokafka.errors import KafkaError
 
 from consumers.routing import pool_routes
 from kvconductor.config import Config
@@ -215,3 +216,49 @@ async def test_daemons_share_partitions_and_union_equals_single_run(
         owned = [set(d.conductor.index.namespaces) for d, _ in g.daemons.values()]
         assert sum(len(o) for o in owned) == len(set().union(*owned))  # disjoint
         assert sum(1 for o in owned if o) >= 2  # the work is really shared
+
+
+class GivenUp:
+    """A transactional producer aiokafka gave up on (aio-libs/aiokafka#1151):
+    every transaction fails."""
+
+    def __init__(self) -> None:
+        self.tried = self.stopped = False
+
+    def transaction(self) -> None:
+        self.tried = True
+        raise KafkaError("the transaction manager gave up")
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+async def test_stage_one_renews_a_producer_aiokafka_gave_up_on(kafka_bootstrap: str) -> None:
+    cfg = daemon_config(
+        kafka_bootstrap,
+        KVCONDUCTOR_KAFKA_REPARTITION="true",
+        KVCONDUCTOR_KAFKA_PARTITIONS="3",
+    )
+    engine, pool = stream(21, 300)
+    want = oracle_state(engine, pool)
+    half_e, half_p = len(engine) // 2, len(pool) // 2
+    k = cfg.kafka
+    async with group(cfg) as g:
+        await g.start("daemon-0")
+        daemon, _ = g.daemons["daemon-0"]
+        stage = daemon.repartitioner
+        assert stage is not None
+        await produce(kafka_bootstrap, k.engine_topic, engine[:half_e])
+        await produce(kafka_bootstrap, k.pool_topic, pool[:half_p])
+        # Swapped while stage one waits for records, not inside a transaction.
+        await wait_for(lambda: stage.forwarded == half_e + half_p, 60, "first half forwarded")
+        real, given_up = stage.producer, GivenUp()
+        stage.producer = given_up  # type: ignore[assignment]
+        await real.stop()
+        await produce(kafka_bootstrap, k.engine_topic, engine[half_e:])
+        await produce(kafka_bootstrap, k.pool_topic, pool[half_p:])
+        await wait_for(
+            lambda: daemon.ready()[0] and g.union() == want, 90, "the whole stream applied"
+        )
+        assert given_up.tried and given_up.stopped
+        assert stage.producer is not given_up and stage.producer is not real
