@@ -178,12 +178,7 @@ impl CountMap {
         }
         for (k, v) in old.slots {
             if v != 0 {
-                let (h, t) = self.locate(k);
-                let table = &mut self.tables[t];
-                table.reserve(1, &self.hasher);
-                let (i, _) = table.find(k, h);
-                table.slots[i] = (k, v);
-                table.len += 1;
+                self.put(k, |_| v);
             }
         }
     }
@@ -203,6 +198,17 @@ impl CountMap {
     /// old value is returned. `f` must not return 0.
     fn update(&mut self, key: u64, f: impl FnOnce(u64) -> u64) -> u64 {
         self.split_if(self.len + 1);
+        let (old, found) = self.put(key, f);
+        if !found {
+            self.len += 1;
+        }
+        old
+    }
+
+    /// `update` within the key's table, which has room or is made some;
+    /// returns the old value and whether the key was there.
+    #[inline]
+    fn put(&mut self, key: u64, f: impl FnOnce(u64) -> u64) -> (u64, bool) {
         let (h, t) = self.locate(key);
         let table = &mut self.tables[t];
         table.reserve(1, &self.hasher);
@@ -211,9 +217,8 @@ impl CountMap {
         table.slots[i] = (key, f(old));
         if !found {
             table.len += 1;
-            self.len += 1;
         }
-        old
+        (old, found)
     }
 
     /// Clears `bits` under `key`; the key goes when no bit is left.
