@@ -46,6 +46,7 @@ from consumers.topics import TopicError, TopicSpec, ensure_topics_on
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
+from kvconductor.kafka_clients import retire, started
 from kvconductor.kafka_errors import check_access
 from kvconductor.kernel import STATUS as KERNEL_STATUS
 from kvconductor.metrics import Metrics
@@ -200,7 +201,7 @@ class Daemon:
     async def _start_client(self, what: str, make: Any) -> Any:
         """Start a fresh Kafka client, retrying with a new one until it starts."""
 
-        return await self._with_backoff(what, lambda: _started(make))
+        return await self._with_backoff(what, lambda: started(make))
 
     async def prepare_topics(self) -> None:
         opts = kafka_client_options(self.cfg.kafka)
@@ -430,39 +431,42 @@ class Daemon:
             final_units=stats.final_units,
         )
 
-    def _snapshot_producer(self) -> AIOKafkaProducer:
+    def _transactional_producer(
+        self, role: str, transactional_id: str, **options: Any
+    ) -> AIOKafkaProducer:
         k = self.cfg.kafka
         return AIOKafkaProducer(
             bootstrap_servers=k.bootstrap_servers,
-            client_id=f"{k.client_id}-snapshot",
-            transactional_id=f"{k.group_id}-{k.client_id}",
+            client_id=f"{k.client_id}-{role}",
+            transactional_id=transactional_id,
             enable_idempotence=True,
-            max_request_size=2 * 1024 * 1024,
+            **options,
             **kafka_client_options(k),
+        )
+
+    def _snapshot_producer(self) -> AIOKafkaProducer:
+        k = self.cfg.kafka
+        return self._transactional_producer(
+            "snapshot", f"{k.group_id}-{k.client_id}", max_request_size=2 * 1024 * 1024
         )
 
     def _repartition_producer(self) -> AIOKafkaProducer:
         k = self.cfg.kafka
-        return AIOKafkaProducer(
-            bootstrap_servers=k.bootstrap_servers,
-            client_id=f"{k.client_id}-repartition",
-            transactional_id=f"{k.group_id}-{k.client_id}-repartition",
-            enable_idempotence=True,
-            # It forwards every engine record: aiokafka's 16 KiB batches (four
-            # typical records) bounded it (see the bridge's batch_size).
-            max_batch_size=512 * 1024,
-            **kafka_client_options(k),
+        # It forwards every engine record: aiokafka's 16 KiB batches (four
+        # typical records) bounded it (see the bridge's batch_size).
+        return self._transactional_producer(
+            "repartition", f"{k.group_id}-{k.client_id}-repartition", max_batch_size=512 * 1024
         )
 
     async def _renew_publisher(self) -> None:
         """Replace the snapshot producer by one with the same transactional
         id, which fences the old one and aborts what it left open."""
         assert self.publisher is not None
-        fresh = await _started(self._snapshot_producer)
+        fresh = await started(self._snapshot_producer)
         old, self.publisher.producer = self.publisher.producer, fresh
         self._renew_snapshot_producer = False
         log.info("snapshot producer renewed")
-        await _retire(old)
+        await retire(old, STOP_GRACE_S)
 
     async def run(self) -> None:
         """Run until `stop()`; raises FatalError for conditions that need a human."""
@@ -625,10 +629,10 @@ class Daemon:
                     # As for the snapshot producer (aio-libs/aiokafka#1151): a
                     # transactional producer aiokafka gave up on fails every
                     # later batch, and stage one would stall for good.
-                    old, stage.producer = stage.producer, await _started(self._repartition_producer)
+                    old, stage.producer = stage.producer, await started(self._repartition_producer)
                     renew = False
                     log.info("repartition producer renewed")
-                    await _retire(old)
+                    await retire(old, STOP_GRACE_S)
                 await stage.poll(POLL_TIMEOUT_MS)
             except ProducerFenced as exc:
                 log.error("repartition producer fenced: another daemon uses this client_id")
@@ -674,25 +678,6 @@ class Daemon:
         if not self.stopping.is_set():
             self._stop_by = time.monotonic() + STOP_GRACE_S
         self.stopping.set()
-
-
-async def _started(make: Callable[[], Any]) -> Any:
-    """A Kafka client from `make`, started; stopped again if it fails to."""
-    client = make()
-    try:
-        await client.start()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await client.stop()
-        raise
-    return client
-
-
-async def _retire(producer: AIOKafkaProducer) -> None:
-    """Stop a producer a successor replaced, within the stop grace: one
-    aiokafka gave up on may not stop cleanly."""
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(producer.stop(), STOP_GRACE_S)
 
 
 async def run_daemon(cfg: Config) -> int:

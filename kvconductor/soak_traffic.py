@@ -38,6 +38,7 @@ from kvconductor.demo_engines import (
     pool_event,
     pool_payload,
 )
+from kvconductor.kafka_clients import started
 
 # (topic, partition, offset) of a record in the log.
 Where = tuple[str, int, int]
@@ -66,21 +67,16 @@ class AckedProducer:
     async def _client(self) -> Any:
         if self._producer is None:
             k = self.kafka
-            producer = AIOKafkaProducer(
-                bootstrap_servers=k.bootstrap_servers,
-                client_id=self.client_id,
-                acks="all",
-                enable_idempotence=True,
-                request_timeout_ms=REQUEST_TIMEOUT_MS,
-                **kafka_client_options(k),
+            self._producer = await started(
+                lambda: AIOKafkaProducer(
+                    bootstrap_servers=k.bootstrap_servers,
+                    client_id=self.client_id,
+                    acks="all",
+                    enable_idempotence=True,
+                    request_timeout_ms=REQUEST_TIMEOUT_MS,
+                    **kafka_client_options(k),
+                )
             )
-            try:
-                await producer.start()
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await producer.stop()
-                raise
-            self._producer = producer
             self.clients += 1
         return self._producer
 
