@@ -538,7 +538,7 @@ class Daemon:
                     isolation_level="read_committed",
                     **opts,
                 )
-                clients.append(rep_consumer)
+                clients.extend([rep_consumer, rep_producer])
                 await rep_consumer.start()
                 self.repartitioner = Repartitioner(
                     rep_consumer,
@@ -572,8 +572,8 @@ class Daemon:
                 stage_one.cancel()
                 with contextlib.suppress(Exception):
                     await self._within_grace(stage_one, "repartitioning")
-            if self.repartitioner is not None:
-                clients.append(self.repartitioner.producer)  # renewed, maybe
+            if self.repartitioner is not None and self.repartitioner.producer not in clients:
+                clients.append(self.repartitioner.producer)  # its renewal
             for client in (*clients, consumer, producer, snap_producer):
                 if client is not None:
                     with contextlib.suppress(Exception):
