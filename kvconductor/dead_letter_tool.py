@@ -47,6 +47,7 @@ from consumers.dead_letters import (
     DLQ_TOPIC,
 )
 from kvconductor.config import Config, KafkaConfig, kafka_client_options
+from kvconductor.kafka_clients import started
 from kvconductor.kafka_errors import KafkaAccessError, check_access
 from kvconductor.termui import Progress, ToolError, fail, print_table, tool_config
 
@@ -125,21 +126,20 @@ async def _consumer(k: KafkaConfig, timeout_s: float) -> AsyncIterator[AIOKafkaC
         raise ToolError(str(exc)) from None
     except (KafkaError, OSError) as exc:
         raise unreachable(k.bootstrap_servers, exc) from None
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=k.bootstrap_servers,
-        client_id=f"{k.client_id}-dead-letters",
-        group_id=f"{k.group_id}-dead-letters",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        request_timeout_ms=int(timeout_s * 1000),
-        **kafka_client_options(k),
-    )
     try:
         async with asyncio.timeout(timeout_s):
-            await consumer.start()
+            consumer = await started(
+                lambda: AIOKafkaConsumer(
+                    bootstrap_servers=k.bootstrap_servers,
+                    client_id=f"{k.client_id}-dead-letters",
+                    group_id=f"{k.group_id}-dead-letters",
+                    enable_auto_commit=False,
+                    auto_offset_reset="earliest",
+                    request_timeout_ms=int(timeout_s * 1000),
+                    **kafka_client_options(k),
+                )
+            )
     except (KafkaError, OSError, TimeoutError) as exc:
-        with contextlib.suppress(Exception):
-            await consumer.stop()
         raise unreachable(k.bootstrap_servers, exc) from None
     try:
         yield consumer
@@ -316,19 +316,18 @@ async def _redrive(args: argparse.Namespace, cfg: Config) -> int:
             with writing_stdout():
                 _show_dry_run(topic, candidates, selected, args)
             return 0
-        producer = AIOKafkaProducer(
-            bootstrap_servers=k.bootstrap_servers,
-            client_id=f"{k.client_id}-redrive",
-            acks="all",
-            enable_idempotence=True,
-            **kafka_client_options(k),
-        )
         try:
             async with asyncio.timeout(args.timeout):
-                await producer.start()
+                producer = await started(
+                    lambda: AIOKafkaProducer(
+                        bootstrap_servers=k.bootstrap_servers,
+                        client_id=f"{k.client_id}-redrive",
+                        acks="all",
+                        enable_idempotence=True,
+                        **kafka_client_options(k),
+                    )
+                )
         except (KafkaError, OSError, TimeoutError) as exc:
-            with contextlib.suppress(Exception):
-                await producer.stop()
             raise unreachable(k.bootstrap_servers, exc) from None
         targets: dict[str, int] = {}
         try:

@@ -13,7 +13,6 @@ its partition when a flood or a poison burst runs next to the paced traffic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import random
 import time
@@ -38,7 +37,7 @@ from kvconductor.demo_engines import (
     pool_event,
     pool_payload,
 )
-from kvconductor.kafka_clients import started
+from kvconductor.kafka_clients import retire, started
 
 # (topic, partition, offset) of a record in the log.
 Where = tuple[str, int, int]
@@ -85,8 +84,7 @@ class AckedProducer:
         # (an idempotent producer after its epoch was lost): start afresh.
         producer, self._producer = self._producer, None
         if producer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(producer.stop(), 10)
+            await retire(producer, 10)
 
     async def send(
         self, topic: str, *, key: bytes | None, value: bytes | None, headers: Headers

@@ -38,6 +38,7 @@ from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import Entry, StreamKey
 from kvconductor.config import kafka_client_options
+from kvconductor.kafka_clients import retire
 
 log = structlog.get_logger("kvconductor.bridge.sink")
 
@@ -65,8 +66,7 @@ async def abandon_producer(producer: Any) -> None:
     if accumulator is not None:
         with contextlib.suppress(Exception):
             accumulator.fail_all(KafkaError("producer abandoned by the bridge"))
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(producer.stop(), STOP_TIMEOUT_S * 6)
+    await retire(producer, STOP_TIMEOUT_S * 6)
 
 
 class Sink:
