@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from array import array
 
 import msgspec
@@ -86,6 +87,45 @@ def test_msgpack_tokens_matches_python(value: object) -> None:
     assert kernel.msgpack_tokens(raw) == want
     # Trailing bytes are not one array.
     assert kernel.msgpack_tokens(raw + b"\x00") is None
+
+
+# Every msgpack encoding of an integer: (marker, struct format, range).
+_INT_ENCODINGS = [
+    (0xCC, ">B", 0, 2**8),
+    (0xCD, ">H", 0, 2**16),
+    (0xCE, ">I", 0, 2**32),
+    (0xCF, ">Q", 0, 2**64),
+    (0xD0, ">b", -(2**7), 2**7),
+    (0xD1, ">h", -(2**15), 2**15),
+    (0xD2, ">i", -(2**31), 2**31),
+    (0xD3, ">q", -(2**63), 2**63),
+]
+
+
+@st.composite
+def _any_int_encoding(draw: st.DrawFn) -> tuple[int, bytes]:
+    """An integer in some msgpack encoding that holds it, smallest or not
+    (encoders other than msgspec's need not pick the smallest)."""
+    value = draw(st.one_of(st.integers(-40, 300), st.integers(-(2**33), 2**33)))
+    fits = [e for e in _INT_ENCODINGS if e[2] <= value < e[3]]
+    forms = [bytes([value])] if 0 <= value < 128 else []
+    forms += [bytes([m]) + struct.pack(f, value) for m, f, _, _ in fits]
+    return value, draw(st.sampled_from(forms))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_any_int_encoding(), max_size=40), st.integers(0, 400))
+def test_msgpack_tokens_reads_every_integer_encoding(
+    items: list[tuple[int, bytes]], cut: int
+) -> None:
+    kernel = _kernel()
+    raw = b"\xdc" + struct.pack(">H", len(items)) + b"".join(form for _, form in items)
+    values = [v for v, _ in items]
+    want = pack_tokens(values) if all(0 <= v < 2**32 for v in values) else None
+    assert kernel.msgpack_tokens(raw) == want
+    # A truncated array is not one.
+    if cut < len(raw) - 3:
+        assert kernel.msgpack_tokens(raw[: 3 + cut]) is None
 
 
 @settings(max_examples=300, deadline=None)
