@@ -55,6 +55,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import raw_http
+
 # The simulated engines' own BlockStored shape, for the probes.
 from bench.cluster import Record, stored_event
 from bench.measure import forked, percentile, summary
@@ -217,6 +219,31 @@ class _Paced:
     round_trips: list[float] = field(default_factory=list)
 
 
+class _ProbeClient:
+    """The probe queries' connections to the daemon, one a query in flight.
+
+    `bench.raw_http`'s, not aiohttp's client: at a round every `POLL_S`
+    with a few probes open, aiohttp's CPU per query (~250 us) took a tenth
+    of a core from the two the daemon and the broker run on, and most when
+    probes pile up, that is, when the daemon is slowest."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.idle: list[raw_http.RawConnection] = []
+
+    async def post(self, path: str, body: bytes) -> bytes:
+        conn = self.idle.pop() if self.idle else await raw_http.connect(self.port)
+        status, answer = await conn.exchange(raw_http.post(self.port, path, body))
+        self.idle.append(conn)
+        if status != 200:
+            raise RuntimeError(f"{path} answered {status}: {answer[:200]!r}")
+        return answer
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.close()
+
+
 def _mark_acked(probe: _Probe, _ack: object) -> None:
     probe.acked = time.perf_counter()
 
@@ -293,15 +320,14 @@ class _Run:
         payload = msgspec.msgpack.encode([ts, [event], 0])
         return Record(False, instance.encode(), headers, payload, ts, 1), seq_hash, instance
 
-    async def _visible(self, probe: _Probe) -> bool:
+    async def _visible(self, probes: _ProbeClient, probe: _Probe) -> bool:
         body = {
             "model": self.cfg.model,
             "block_size": self.cfg.block_size,
             "seq_hashes": [probe.seq_hash],
             "instance_id": probe.instance,
         }
-        async with self.session.post(f"{self.daemon.url}/query_by_hash", json=body) as resp:
-            answer = await resp.json()
+        answer = msgspec.json.decode(await probes.post("/query_by_hash", msgspec.json.encode(body)))
         return any(
             fig.get("GPU", 0) >= self.cfg.block_size
             for tenant in answer.values()
@@ -313,7 +339,13 @@ class _Run:
     ) -> dict[str, Any]:
         parts = sorted(await self.producer.partitions_for(self.topics[0]))
         state = _Paced()
-        await asyncio.gather(self._paced(state, records, rate, seconds, parts), self._poll(state))
+        probes = _ProbeClient(self.daemon.port)
+        try:
+            await asyncio.gather(
+                self._paced(state, records, rate, seconds, parts), self._poll(state, probes)
+            )
+        finally:
+            probes.close()
         _, bad = await self.daemon.wait_consumed(self.session, self.sent)
         ms = sorted(x * 1000 for x in state.latencies)
         ack_ms = sorted(x * 1000 for x in state.to_ack)
@@ -372,7 +404,7 @@ class _Run:
         finally:
             state.producing = False
 
-    async def _poll(self, state: _Paced) -> None:
+    async def _poll(self, state: _Paced, client: _ProbeClient) -> None:
         """Ask for every open probe at once, every `POLL_S`, until each shows.
 
         All of a round's queries are in flight together: the daemon answers
@@ -381,7 +413,7 @@ class _Run:
         while state.producing or state.open:
             probes = list(state.open)
             t = time.perf_counter()
-            seen = await asyncio.gather(*(self._visible(p) for p in probes))
+            seen = await asyncio.gather(*(self._visible(client, p) for p in probes))
             now = time.perf_counter()
             if probes:
                 state.round_trips.append(now - t)

@@ -7,27 +7,24 @@ server and client compete for the same two cores the way a co-located router
 would.
 
 The client is what a router's connection pool does at its cheapest: one
-keep-alive HTTP/1.1 connection per concurrent client, each request written
-in one piece, the answer read by its Content-Length. A general client
-library costs several times the server's own HTTP work per request (aiohttp's
-client ~220-280 us of CPU against ~25 us for this one), which on two shared
-cores would be measured as the server's slowness. Both processes' CPU time
-per query is reported, so the split is visible, and every answer is checked
-byte for byte against the in-process answer to the same query.
+keep-alive HTTP/1.1 connection per concurrent client (`bench.raw_http`).
+Both processes' CPU time per query is reported, so the split is visible,
+and every answer is checked byte for byte against the in-process answer to
+the same query.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import msgspec
 
+from bench import raw_http
 from bench.measure import forked, percentile
 from bench.peers import KvconductorPeer
 from bench.workload import Workload
@@ -35,7 +32,6 @@ from kvconductor.query_wire import TokenQuery
 
 CLIENTS = 8
 WARM_UP = 32  # requests before the clock starts: connection, caches, first-call paths
-_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 T = TypeVar("T")
@@ -124,59 +120,6 @@ async def _serve(sock: socket.socket, peer: KvconductorPeer, client: int) -> Non
         await runner.cleanup()
 
 
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection carrying one request at a time."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._end = -1  # where the answer in the buffer ends, once its head is in
-        self._body_at = 0
-        self._status = 0
-        self._waiter: asyncio.Future[tuple[int, bytes]] | None = None
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        if self._end < 0:
-            head_end = self._buffer.find(b"\r\n\r\n")
-            if head_end < 0:
-                return
-            head = bytes(self._buffer[:head_end])
-            length = _CONTENT_LENGTH.search(head)
-            if length is None:
-                self._fail(RuntimeError(f"answer without Content-Length: {head[:200]!r}"))
-                return
-            self._status = int(head[9:12])
-            self._body_at = head_end + 4
-            self._end = self._body_at + int(length.group(1))
-        if len(self._buffer) >= self._end:
-            answer = (self._status, bytes(self._buffer[self._body_at : self._end]))
-            del self._buffer[: self._end]
-            self._end = -1
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result(answer)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionError("the server closed the connection"))
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(exc)
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-    async def exchange(self, request: bytes) -> tuple[int, bytes]:
-        assert self._transport is not None
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._transport.write(request)
-        return await self._waiter
-
-
 def _cpu_s(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of a process (Linux /proc, clock ticks)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
@@ -187,15 +130,10 @@ def _cpu_s(pid: int) -> tuple[float, float]:
 async def _drive(
     port: int, server_pid: int, bodies: list[bytes], expected: list[bytes], requests: int
 ) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    head = f"POST /query HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-    posts = [f"{head}Content-Length: {len(b)}\r\n\r\n".encode() + b for b in bodies]
-    connections: list[_Connection] = []
-    for _ in range(CLIENTS):
-        _, conn = await loop.create_connection(_Connection, "127.0.0.1", port)
-        connections.append(conn)
+    posts = [raw_http.post(port, "/query", b) for b in bodies]
+    connections = [await raw_http.connect(port) for _ in range(CLIENTS)]
 
-    async def one(conn: _Connection, i: int) -> float:
+    async def one(conn: raw_http.RawConnection, i: int) -> float:
         k = i % len(posts)
         started = time.perf_counter()
         status, body = await conn.exchange(posts[k])
@@ -213,7 +151,7 @@ async def _drive(
         latencies: list[float] = []
         next_request: Iterator[int] = iter(range(total))
 
-        async def client(conn: _Connection) -> None:
+        async def client(conn: raw_http.RawConnection) -> None:
             for i in next_request:
                 latencies.append(await one(conn, i))
 

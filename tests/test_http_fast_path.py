@@ -6,7 +6,7 @@ what it claims (issue #5, figure 2 over HTTP).
   declared size) and answer exactly like a body that trickles in.
 - Request counts per (endpoint, status) are kept in cached metric children;
   they must land in the right series.
-- `bench/http_load.py`'s client reads answers by Content-Length across any
+- The benchmarks' client (`bench/raw_http.py`) reads answers by Content-Length across any
   split of the bytes, fails loudly when the server hangs up, and the figure
   refuses to report when an answer differs from the in-process one.
 
@@ -23,7 +23,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.http_load import WARM_UP, _Connection, http_figure
+from bench.http_load import WARM_UP, http_figure
+from bench.raw_http import connect
 from bench.workload import generate
 from kvconductor.api_client import metric_sum, parse_metrics
 from kvconductor.http_api import API_KEY, QueryApi
@@ -147,8 +148,7 @@ async def test_client_reads_answers_split_anywhere() -> None:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Connection, "127.0.0.1", port)
+        conn = await connect(port)
         request = request_head("/query", {"Content-Length": "0"})
         assert await conn.exchange(request) == (200, bodies[0])
         assert await conn.exchange(request) == (400, bodies[1])
@@ -168,8 +168,7 @@ async def test_client_fails_when_the_server_hangs_up() -> None:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Connection, "127.0.0.1", port)
+        conn = await connect(port)
         with pytest.raises(ConnectionError):
             await asyncio.wait_for(conn.exchange(request_head("/query", {})), 60)
     finally:
