@@ -85,28 +85,37 @@ fn pack_tokens<'py>(py: Python<'py>, tokens: Bound<'py, PyAny>) -> PyResult<Boun
     Ok(PyBytes::new(py, &out))
 }
 
-/// A list of small ints (a prompt's usual form) packed straight into the
-/// bytes object: no buffer to grow and copy (a 32 KB malloc and memcpy a
-/// query). None as soon as an item is anything else.
-fn pack_small_ints<'py>(py: Python<'py>, list: &Bound<'py, PyList>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-    let n = list.len();
-    let mut all_small = true;
+/// `n` tokens, the `i`th from `token(i)`, written straight into a bytes
+/// object as little-endian u32: no buffer to grow and copy (a 32 KB malloc
+/// and memcpy a query). None as soon as `token` gives None.
+fn packed_tokens<'py>(
+    py: Python<'py>,
+    n: usize,
+    mut token: impl FnMut(usize) -> Option<u32>,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let mut all_read = true;
     let packed = PyBytes::new_with(py, n * 4, |buf| {
-        // SAFETY: a list's items are `ob_item[..len]`, and nothing here runs
-        // Python code, so the list keeps its `n` items throughout.
-        let items = unsafe { (*list.as_ptr().cast::<ffi::PyListObject>()).ob_item };
         for (i, out) in buf.chunks_exact_mut(4).enumerate() {
-            match unsafe { small_int::read(*items.add(i)) } {
-                Some(token) => out.copy_from_slice(&token.to_le_bytes()),
+            match token(i) {
+                Some(t) => out.copy_from_slice(&t.to_le_bytes()),
                 None => {
-                    all_small = false;
+                    all_read = false;
                     break;
                 }
             }
         }
         Ok(())
     })?;
-    Ok(all_small.then_some(packed))
+    Ok(all_read.then_some(packed))
+}
+
+/// A list of small ints (a prompt's usual form) packed; None as soon as an
+/// item is anything else.
+fn pack_small_ints<'py>(py: Python<'py>, list: &Bound<'py, PyList>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    // SAFETY: a list's items are `ob_item[..len]`, and nothing here runs
+    // Python code, so the list keeps its items throughout.
+    let items = unsafe { (*list.as_ptr().cast::<ffi::PyListObject>()).ob_item };
+    packed_tokens(py, list.len(), |i| unsafe { small_int::read(*items.add(i)) })
 }
 
 /// `kvconductor.hashing.tokens_from_msgpack`: one msgpack array of token ids
@@ -121,20 +130,8 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> PyResult<Option<Bo
     if n > rd.len() {
         return Ok(None); // every element takes at least a byte
     }
-    let mut all_read = true;
-    let packed = PyBytes::new_with(py, n * 4, |buf| {
-        for out in buf.chunks_exact_mut(4) {
-            match msgpack_u32(&mut rd) {
-                Some(token) => out.copy_from_slice(&token.to_le_bytes()),
-                None => {
-                    all_read = false;
-                    break;
-                }
-            }
-        }
-        Ok(())
-    })?;
-    Ok((all_read && rd.is_empty()).then_some(packed))
+    let packed = packed_tokens(py, n, |_| msgpack_u32(&mut rd))?;
+    Ok(packed.filter(|_| rd.is_empty()))
 }
 
 /// One msgpack integer in [0, 2**32). The encodings an encoder picks for
