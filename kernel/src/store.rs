@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use hashbrown::hash_map::Entry;
 use hashbrown::{HashMap, HashSet};
 use pyo3::exceptions::{PyAssertionError, PyIndexError, PyKeyError, PyOverflowError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -415,6 +416,10 @@ fn load(
 /// A sequence of ints as u64 (lists without the iterator protocol).
 fn u64s(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if let Ok(list) = obj.cast::<PyList>() {
+        if let Some(out) = list_u64s(list) {
+            return Ok(out);
+        }
+        // Some item is not an int in range: convert each, to raise its error.
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter() {
             out.push(item.extract()?);
@@ -422,6 +427,32 @@ fn u64s(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         return Ok(out);
     }
     obj.try_iter()?.map(|item| item?.extract()).collect()
+}
+
+/// A list of ints in [0, 2**64) read in place, without a conversion object
+/// per item (pyo3's per-item extraction was ~4% of applying events); None
+/// when an item is anything else.
+fn list_u64s(list: &Bound<'_, PyList>) -> Option<Vec<u64>> {
+    let n = list.len();
+    let mut out = Vec::with_capacity(n);
+    // SAFETY: a list's items are `ob_item[..len]`; nothing here runs Python
+    // code (reading an exact int's value does not), so the list keeps its
+    // `n` items throughout.
+    let items = unsafe { (*list.as_ptr().cast::<ffi::PyListObject>()).ob_item };
+    for i in 0..n {
+        let item = unsafe { *items.add(i) };
+        if unsafe { ffi::PyLong_CheckExact(item) } == 0 {
+            return None;
+        }
+        let value = unsafe { ffi::PyLong_AsUnsignedLongLong(item) };
+        if value == u64::MAX && unsafe { !ffi::PyErr_Occurred().is_null() } {
+            // Negative or past 64 bits: the caller's conversion says which.
+            unsafe { ffi::PyErr_Clear() };
+            return None;
+        }
+        out.push(value);
+    }
+    Some(out)
 }
 
 /// A capacity left, as i64 (any Python int: beyond i64 it saturates).
