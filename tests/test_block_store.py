@@ -553,3 +553,27 @@ def test_a_cut_keeps_the_identities_it_saw(make: Callable[[int, float], BlockSto
     assert store.ident(11) == 999
     with pytest.raises(AssertionError):
         store.end_cut()
+
+
+@pytest.mark.parametrize(
+    ("seqs", "error"),
+    [
+        ([1, -1], OverflowError),
+        ([1, 2**64], OverflowError),
+        ([1, "2"], TypeError),
+        ([1.0], TypeError),
+    ],
+)
+def test_the_compiled_store_refuses_hashes_outside_u64(
+    seqs: list[object], error: type[Exception]
+) -> None:
+    """Hash lists are read in place when every item is an exact int; any
+    other item takes the per-item conversion, which raises as before."""
+    store = _compiled(8, 10.0)
+    store.add_owner(0)
+    with pytest.raises(error):
+        store.place_owner(0, DEVICE, seqs, None, 10)
+    with pytest.raises(error):
+        store.count_new(0, DEVICE, seqs)
+    # An int subclass is an int: taken the slow way, with the same result.
+    assert store.count_new(0, DEVICE, [True, 2]) == store.count_new(0, DEVICE, [1, 2]) == 2
