@@ -228,16 +228,17 @@ class Daemon:
         k = self.cfg.kafka
 
         async def attempt() -> Any:
-            consumer = AIOKafkaConsumer(
-                bootstrap_servers=k.bootstrap_servers,
-                client_id=f"{k.client_id}-restore",
-                group_id=None,
-                enable_auto_commit=False,
-                isolation_level="read_committed",
-                fetch_max_wait_ms=50,
-                **kafka_client_options(k),
+            consumer = await started(
+                lambda: AIOKafkaConsumer(
+                    bootstrap_servers=k.bootstrap_servers,
+                    client_id=f"{k.client_id}-restore",
+                    group_id=None,
+                    enable_auto_commit=False,
+                    isolation_level="read_committed",
+                    fetch_max_wait_ms=50,
+                    **kafka_client_options(k),
+                )
             )
-            await consumer.start()
             try:
                 return await read_snapshot(consumer, k.snapshot_topic, _progress_log())
             finally:

@@ -51,6 +51,7 @@ from kvconductor.demo_engines import (
     default_fleet,
     text_tokens,
 )
+from kvconductor.kafka_clients import started
 from kvconductor.termui import Spinner, ToolError, fail, is_tty, rich, rich_console, tool_config
 
 PROG = "kvconductor demo"
@@ -461,15 +462,15 @@ async def _producer(cfg: Config) -> Any:
     from aiokafka import AIOKafkaProducer
 
     k = cfg.kafka
-    producer = AIOKafkaProducer(
-        bootstrap_servers=k.bootstrap_servers,
-        client_id=f"{k.client_id}-demo-engines",
-        acks=1,
-        linger_ms=5,
-        **kafka_client_options(k),
+    return await started(
+        lambda: AIOKafkaProducer(
+            bootstrap_servers=k.bootstrap_servers,
+            client_id=f"{k.client_id}-demo-engines",
+            acks=1,
+            linger_ms=5,
+            **kafka_client_options(k),
+        )
     )
-    await producer.start()
-    return producer
 
 
 async def _wait_running(daemon: Any, task: asyncio.Task[None], stop: asyncio.Event) -> bool:

@@ -1,4 +1,4 @@
-"""Starting and retiring aiokafka clients, for the daemon and the soak."""
+"""Starting and retiring aiokafka clients, for the daemon, the bridge and the tools."""
 
 from __future__ import annotations
 
