@@ -101,6 +101,7 @@ async def _serve(sock: socket.socket, peer: KvconductorPeer, client: int) -> Non
     from aiohttp import web
 
     from kvconductor.http_api import make_app
+    from kvconductor.http_front import QuerySite
     from kvconductor.metrics import Metrics
 
     app = make_app(
@@ -112,7 +113,7 @@ async def _serve(sock: socket.socket, peer: KvconductorPeer, client: int) -> Non
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    await QuerySite(runner, sock=sock).start()
     try:
         while os.waitpid(client, os.WNOHANG) == (0, 0):
             await asyncio.sleep(0.05)

@@ -46,6 +46,7 @@ from consumers.topics import TopicError, TopicSpec, ensure_topics_on
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
+from kvconductor.http_front import QuerySite
 from kvconductor.kafka_clients import retire, started
 from kvconductor.kafka_errors import check_access
 from kvconductor.kernel import STATUS as KERNEL_STATUS
@@ -172,10 +173,9 @@ class Daemon:
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, http.host, http.port)
+        site = QuerySite(self._runner, http.host, http.port)
         await site.start()
-        server: Any = site._server
-        self.http_port = server.sockets[0].getsockname()[1]
+        self.http_port = site.port
         # Which query path runs: a missing kernel is slower, not wrong.
         log.info("http listening", host=http.host, port=self.http_port, query_path=KERNEL_STATUS)
 

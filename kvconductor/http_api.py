@@ -91,11 +91,15 @@ def json_response(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(payload), status=status, content_type=JSON)
 
 
+def error_body(message: str) -> bytes:
+    return _encoder.encode({"error": message})
+
+
 def error_response(
     status: int, message: str, headers: dict[str, str] | None = None
 ) -> web.Response:
     return web.Response(
-        body=_encoder.encode({"error": message}),
+        body=error_body(message),
         status=status,
         content_type=JSON,
         headers=headers,
@@ -127,8 +131,8 @@ class QueryApi:
         self.body_budget = BODY_BUDGET_FACTOR * max_body_bytes
         self.buffered = 0  # bytes of request bodies held right now
         self._token = auth_token.encode("utf-8") if auth_token else None
-        self._latency_query = metrics.query_latency.labels("query")
-        self._latency_hash = metrics.query_latency.labels("query_by_hash")
+        self.latency_query = metrics.query_latency.labels("query")
+        self.latency_hash = metrics.query_latency.labels("query_by_hash")
         self._requests: dict[tuple[str, int], Any] = {}
 
     # -------------------------------------------------------- middleware
@@ -158,10 +162,10 @@ class QueryApi:
             response = error_response(500, "internal error")
         if response.status in _CLOSING:
             response.force_close()
-        self._count(endpoint, response.status)
+        self.count(endpoint, response.status)
         return response
 
-    def _count(self, endpoint: str, status: int) -> None:
+    def count(self, endpoint: str, status: int) -> None:
         # The labelled child is looked up once per pair: `labels()` takes a
         # lock and builds a key on every call.
         key = (endpoint, status)
@@ -171,17 +175,25 @@ class QueryApi:
         counter.inc()
 
     def _authorized(self, request: web.Request) -> bool:
+        # Header values arrive as text; the token is visible ASCII.
+        header = request.headers.get(hdrs.AUTHORIZATION)
+        return self.token_ok(None if header is None else header.encode("latin-1", "replace"))
+
+    def token_ok(self, authorization: bytes | None) -> bool:
+        """Whether an Authorization header's value carries the bearer token
+        (always true when none is configured)."""
         if self._token is None:
             return True
-        scheme, _, credential = request.headers.get(hdrs.AUTHORIZATION, "").partition(" ")
-        # Header values arrive as latin-1 text; the token is visible ASCII.
-        given = credential.strip().encode("latin-1", "replace")
+        scheme, _, credential = (authorization or b"").partition(b" ")
         # compare_digest first, always: its time depends on the lengths only.
-        return hmac.compare_digest(given, self._token) and scheme.lower() == "bearer"
+        return hmac.compare_digest(credential.strip(), self._token) and scheme.lower() == b"bearer"
 
     def _declared_too_large(self, request: web.Request) -> bool:
         length = request.content_length
         return length is not None and length > self.max_body_bytes
+
+    def body_timeout(self) -> ApiError:
+        return ApiError(408, f"request body not received within {self.client_timeout_s:g} s")
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"request body too large (limit {self.max_body_bytes} bytes)")
@@ -244,9 +256,7 @@ class QueryApi:
                         )
                     chunks.append(chunk)
         except TimeoutError:
-            raise ApiError(
-                408, f"request body not received within {self.client_timeout_s:g} s"
-            ) from None
+            raise self.body_timeout() from None
         finally:
             self.buffered -= held
         # Decoding and answering follow without an await: the bytes released
@@ -254,10 +264,10 @@ class QueryApi:
         return b"".join(chunks)
 
     async def query(self, request: web.Request) -> web.Response:
-        return await self._answer(request, self._token_query, self._latency_query)
+        return await self._answer(request, self.token_answer, self.latency_query)
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
-        return await self._answer(request, self._hash_query, self._latency_hash)
+        return await self._answer(request, self.hash_answer, self.latency_hash)
 
     async def _answer(
         self, request: web.Request, answer: Callable[[bytes], bytes], latency: Any
@@ -269,7 +279,7 @@ class QueryApi:
         finally:
             latency.observe(perf_counter() - start)
 
-    def _token_query(self, body: bytes) -> bytes:
+    def token_answer(self, body: bytes) -> bytes:
         read = read_token_query(body)
         if read is None:
             # The typed decoder says what is wrong, or takes it and the
@@ -278,7 +288,7 @@ class QueryApi:
         req, packed = read
         return self._run(lambda r: self.conductor.query_json(r, packed), req)
 
-    def _hash_query(self, body: bytes) -> bytes:
+    def hash_answer(self, body: bytes) -> bytes:
         return self._run(self.conductor.query_json, _decode(_hash_decoder, body))
 
     @staticmethod

@@ -52,6 +52,7 @@ from consumers.positions import resume_positions
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
+from kvconductor.http_front import QuerySite
 from kvconductor.index import Index, IndexLimits
 from kvconductor.kafka_errors import KafkaAccessError, check_access
 from kvconductor.metrics import Metrics
@@ -519,10 +520,9 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, http.host, http.port)
+        site = QuerySite(runner, http.host, http.port)
         await site.start()
-        server: Any = site._server
-        port = server.sockets[0].getsockname()[1]
+        port = site.port
         log.info("replica http listening", host=http.host, port=port, follow=follow)
         delay = 0.5
         while not stopping.is_set():

@@ -37,6 +37,7 @@ from aiokafka import AIOKafkaProducer
 from kvconductor.api_client import Api, metric_sum, parse_metrics
 from kvconductor.config import Config, ConfigError, Secret, config_keys, load_config
 from kvconductor.http_api import API_KEY, make_app
+from kvconductor.http_front import QuerySite
 from kvconductor.kafka_local import free_ports
 from kvconductor.metrics import Metrics
 from kvconductor.termui import ToolError
@@ -149,17 +150,17 @@ async def send_body(
 
 @contextlib.asynccontextmanager
 async def serving(**kwargs: Any) -> AsyncIterator[tuple[int, web.Application]]:
-    """make_app over a fed conductor, on 127.0.0.1 and a free port."""
+    """make_app over a fed conductor, on 127.0.0.1 and a free port, behind the
+    daemon's site: every abuse reaches aiohttp through the query front."""
     conductor = fed_conductor()
     options: dict[str, Any] = {"max_body_bytes": MIB, "auth_token": None, **kwargs}
     app = make_app(conductor, Metrics(conductor), ready=lambda: (True, "ok"), **options)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = QuerySite(runner, "127.0.0.1", 0)
     await site.start()
-    server: Any = site._server
     try:
-        yield int(server.sockets[0].getsockname()[1]), app
+        yield site.port, app
     finally:
         await runner.cleanup()
 

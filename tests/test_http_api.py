@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import aiohttp.test_utils
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -14,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvconductor.core import Conductor
 from kvconductor.events import BlockStored, EngineBatch
 from kvconductor.http_api import make_app
+from kvconductor.http_front import QuerySite
 from kvconductor.metrics import Metrics
 from kvconductor.records import EngineMeta
 
@@ -85,8 +88,21 @@ if TYPE_CHECKING:
     MakeClient = Callable[..., Awaitable[Client]]
 
 
-@pytest.fixture
-async def make_client() -> AsyncIterator[MakeClient]:
+def _query_site(
+    runner: web.BaseRunner, sock: socket.socket, ssl_context: object = None
+) -> QuerySite:
+    return QuerySite(runner, sock=sock)
+
+
+# Every test runs on aiohttp's own site and on the daemon's (`QuerySite`,
+# whose front answers plain queries and hands the rest to aiohttp): both
+# must answer alike.
+@pytest.fixture(params=["aiohttp", "front"])
+async def make_client(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[MakeClient]:
+    if request.param == "front":
+        monkeypatch.setattr(aiohttp.test_utils, "SockSite", _query_site)
     clients: list[Client] = []
 
     async def make(

@@ -21,7 +21,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from bench.http_load import WARM_UP, http_figure
 from bench.raw_http import connect
@@ -201,11 +200,12 @@ def test_figure_checks_every_answer_and_splits_the_cpu() -> None:
 def test_figure_refuses_a_wrong_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that answers differently from the index is not measured."""
 
-    async def wrong(self: QueryApi, request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"default": {}})
+    def wrong(self: QueryApi, body: bytes) -> bytes:
+        return b'{"default":{}}'
 
-    monkeypatch.setattr(QueryApi, "query", wrong)  # the server is forked after this
+    # Both the front and aiohttp's handler answer through it; the server is
+    # forked after this.
+    monkeypatch.setattr(QueryApi, "token_answer", wrong)
     out = http_figure(_tiny_workload(), 5, log=lambda _line: None)
     assert out["measured"] is False
     assert "differs from the in-process one" in out["reason"], out

@@ -1,0 +1,413 @@
+"""The query routes' front door: plain queries answered straight off the socket.
+
+    runner = web.AppRunner(make_app(...), access_log=None)
+    await runner.setup()
+    site = QuerySite(runner, host, port)      # in place of web.TCPSite
+    await site.start()
+
+aiohttp spends about 200 us of CPU on each request around a query that
+itself takes 100-250 (measured in docs/benchmarks.md): with one event loop
+that caps a daemon near 2,000 queries a second on two cores. The site's
+connections start with `QueryFront`, which answers the one request a router
+sends over and over, a whole `POST /query` or `POST /query_by_hash` with a
+Content-Length, by calling the same `QueryApi` answer functions, counting
+the same metrics and writing the same bytes aiohttp would.
+
+Anything else is aiohttp's: the first request that is not that plain form
+(another route or method, HTTP/1.0, chunked or compressed framing,
+`Expect`, `Upgrade`, `Connection`, a body over the limit, a missing or wrong
+bearer token, a head httptools (llhttp, the parser aiohttp's own C parser
+is built on) refuses, a body past the shared budget) or whose answer is not
+200 hands the connection over: the front gives aiohttp's request handler
+the transport and every unanswered byte from the start of that request,
+and aiohttp serves that request and the rest of the connection with all of
+http_api's rules. A query is a pure read, so a refused one answered again by
+aiohttp answers the same.
+
+The front keeps aiohttp's two timers with one lazily re-armed deadline: a
+request's head must arrive within `client_timeout_s` of connecting or of
+the previous answer (else the connection is closed), and its body within
+`client_timeout_s` more (else 408, closed). A client that hangs up with a
+body half sent is counted as 499, as aiohttp's path counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from email.utils import formatdate
+from typing import Any, cast
+
+import httptools
+from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.tcp_helpers import tcp_keepalive
+
+from kvconductor.http_api import API_KEY, QueryApi, error_body
+
+# A head longer than this is left to aiohttp (which answers 431 or 400).
+MAX_HEAD_BYTES = 8190
+_HEAD_END = b"\r\n\r\n"
+
+
+class _Head:
+    """What the front needs of one request head, from httptools' callbacks."""
+
+    __slots__ = ("auth", "heads", "length", "plain", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.length: int | None = None
+        self.auth: bytes | None = None
+        self.plain = True
+        self.heads = 0
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-length":
+            if self.length is not None:
+                self.plain = False
+            self.length = int(value)  # llhttp has checked: digits only
+        elif name == b"authorization":
+            if self.auth is not None:
+                self.plain = False  # aiohttp reads the first; leave it to aiohttp
+            self.auth = value
+        elif name in _NOT_PLAIN:
+            self.plain = False
+
+    def on_headers_complete(self) -> None:
+        self.heads += 1
+
+    def on_body(self, body: bytes) -> None:
+        # The head ended before the blank line the front found: llhttp read
+        # it another way than a plain request, so aiohttp decides.
+        self.plain = False
+
+    def on_message_begin(self) -> None:
+        if self.heads:
+            self.plain = False
+
+
+# Framing, protocol switches and connection handling stay with aiohttp.
+_NOT_PLAIN = frozenset(
+    {b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"connection"}
+)
+
+
+class _Route:
+    __slots__ = ("answer", "endpoint", "latency")
+
+    def __init__(self, endpoint: str, answer: Any, latency: Any) -> None:
+        self.endpoint = endpoint
+        self.answer = answer
+        self.latency = latency
+
+
+class _Date:
+    """The Date header's value, formatted once a second as aiohttp does."""
+
+    __slots__ = ("second", "text")
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.text = b""
+
+    def now(self) -> bytes:
+        second = int(time.time())
+        if second != self.second:
+            self.second = second
+            self.text = formatdate(second, usegmt=True).encode("ascii")
+        return self.text
+
+
+_SERVER = SERVER_SOFTWARE.encode("ascii")
+
+
+def _answer_bytes(status_line: bytes, body: bytes, date: bytes, closing: bool) -> bytes:
+    # aiohttp's header order, so that both paths' answers look alike.
+    return b"".join(
+        (
+            status_line,
+            b"\r\nContent-Type: application/json\r\nContent-Length: ",
+            str(len(body)).encode("ascii"),
+            b"\r\nDate: ",
+            date,
+            b"\r\nServer: ",
+            _SERVER,
+            b"\r\nConnection: close\r\n\r\n" if closing else b"\r\n\r\n",
+            body,
+        )
+    )
+
+
+class QueryFront(asyncio.Protocol):
+    """One connection, until it is closed or handed over to aiohttp."""
+
+    __slots__ = (
+        "buf",
+        "deadline",
+        "end",
+        "held",
+        "paused",
+        "route",
+        "site",
+        "start",
+        "timer",
+        "transport",
+    )
+
+    def __init__(self, site: QuerySite) -> None:
+        self.site = site
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.route: _Route | None = None  # set while a head waits for its body
+        self.start = 0  # where that body starts in buf
+        self.end = 0  # and where it ends
+        self.held = 0  # body bytes counted in the API's shared budget
+        self.paused = False  # writing: the client is not reading its answers
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------ transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses.
+        self.transport = transport = cast(asyncio.Transport, transport)
+        tcp_keepalive(transport)
+        self.site.fronts.add(self)
+        loop = self.site.loop
+        self.deadline = loop.time() + self.site.api.client_timeout_s
+        self.timer = loop.call_at(self.deadline, self._on_timer)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._serve()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes; connection_lost settles the rest
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.route is not None:
+            # Hung up with a body half sent: aiohttp's path counts this 499.
+            self.site.api.count(self.route.endpoint, 499)
+        self._leave()
+
+    def pause_writing(self) -> None:
+        # Pipelined requests whose answers are not read: stop reading more.
+        self.paused = True
+        assert self.transport is not None
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        assert self.transport is not None
+        self.transport.resume_reading()
+
+    # ------------------------------------------------------- requests
+
+    def _serve(self) -> None:
+        buf = self.buf
+        api = self.site.api
+        while True:
+            route = self.route
+            if route is None:
+                end = buf.find(_HEAD_END)
+                if end < 0:
+                    if len(buf) > MAX_HEAD_BYTES:
+                        self._hand_over()
+                    return
+                route = self._read_head(bytes(buf[: end + 4]))
+                if route is None:
+                    self._hand_over()
+                    return
+                self.route = route
+                self.deadline = self.site.loop.time() + api.client_timeout_s
+            if len(buf) < self.end:
+                # The body is still coming: it counts against the budget of
+                # bodies buffered at once, which aiohttp answers with 503.
+                api.buffered += len(buf) - self.start - self.held
+                self.held = len(buf) - self.start
+                if api.buffered > api.body_budget:
+                    self._hand_over()
+                return
+            body = bytes(buf[self.start : self.end])
+            started = time.perf_counter()
+            try:
+                answer = route.answer(body)
+            except Exception:  # ApiError, or a bug aiohttp will log and answer 500
+                self._hand_over()  # aiohttp answers it again, with the error
+                return
+            route.latency.observe(time.perf_counter() - started)
+            del buf[: self.end]
+            self._release()
+            self.route = None
+            self.deadline = self.site.loop.time() + api.client_timeout_s
+            api.count(route.endpoint, 200)
+            assert self.transport is not None
+            self.transport.write(
+                _answer_bytes(b"HTTP/1.1 200 OK", answer, self.site.date.now(), False)
+            )
+            if not buf:
+                return
+
+    def _read_head(self, head: bytes) -> _Route | None:
+        """The route of a plain query head, with its body's place; else None."""
+        fields = _Head()
+        parser = httptools.HttpRequestParser(fields)
+        try:
+            parser.feed_data(head)
+        except httptools.HttpParserError:
+            return None
+        site = self.site
+        route = site.routes.get(fields.url)
+        if (
+            route is None
+            or fields.length is None
+            or not fields.plain
+            or fields.heads != 1
+            or parser.get_method() != b"POST"
+            or parser.get_http_version() != "1.1"
+            or fields.length > site.api.max_body_bytes
+            or not site.api.token_ok(fields.auth)
+        ):
+            return None
+        self.start = len(head)
+        self.end = len(head) + fields.length
+        return route
+
+    def _on_timer(self) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        loop = self.site.loop
+        if loop.time() < self.deadline:
+            self.timer = loop.call_at(self.deadline, self._on_timer)
+            return
+        self.timer = None
+        route = self.route
+        if route is not None:
+            api = self.site.api
+            error = api.body_timeout()
+            transport.write(
+                _answer_bytes(
+                    b"HTTP/1.1 408 Request Timeout",
+                    error_body(error.message),
+                    self.site.date.now(),
+                    True,
+                )
+            )
+            api.count(route.endpoint, error.status)
+            self.route = None
+        transport.close()
+
+    # ------------------------------------------------------- leaving
+
+    def _release(self) -> None:
+        self.site.api.buffered -= self.held
+        self.held = 0
+
+    def _leave(self) -> None:
+        self._release()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.site.fronts.discard(self)
+        self.transport = None
+
+    def _hand_over(self) -> None:
+        """aiohttp serves the connection from the unanswered request on."""
+        transport = self.transport
+        assert transport is not None
+        rest = bytes(self.buf)
+        self.route = None
+        self._leave()
+        handler = self.site.aiohttp_server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.paused:
+            # The front stopped reading for its own unread answers; aiohttp
+            # waits on writing instead and resumes reading itself.
+            handler.pause_writing()
+            transport.resume_reading()
+        if rest:
+            handler.data_received(rest)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class QuerySite(web.BaseSite):
+    """`web.TCPSite`, with each connection starting at `QueryFront`."""
+
+    __slots__ = (
+        "_host",
+        "_port",
+        "_sock",
+        "aiohttp_server",
+        "api",
+        "date",
+        "fronts",
+        "loop",
+        "routes",
+    )
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str | None = None,
+        port: int = 0,
+        *,
+        sock: socket.socket | None = None,
+        backlog: int = 128,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._sock = sock  # listening already (tests, the benchmark): host and port unused
+        app = runner.app if isinstance(runner, web.AppRunner) else None
+        if app is None:
+            raise TypeError("QuerySite serves an AppRunner over make_app's application")
+        self.api: QueryApi = app[API_KEY]
+        self.fronts: set[QueryFront] = set()
+        self.date = _Date()
+        self.routes = {
+            b"/query": _Route("query", self.api.token_answer, self.api.latency_query),
+            b"/query_by_hash": _Route("query_by_hash", self.api.hash_answer, self.api.latency_hash),
+        }
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host or '0.0.0.0'}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self.aiohttp_server = server
+        self.loop = asyncio.get_running_loop()
+        if self._sock is not None:
+            self._server = await self.loop.create_server(
+                lambda: QueryFront(self), sock=self._sock, backlog=self._backlog
+            )
+        else:
+            self._server = await self.loop.create_server(
+                lambda: QueryFront(self), self._host, self._port, backlog=self._backlog
+            )
+
+    async def stop(self) -> None:
+        await super().stop()
+        for front in list(self.fronts):
+            front.close()
+
+    @property
+    def port(self) -> int:
+        """The bound port (the one asked for until started)."""
+        server: Any = self._server
+        if server is None or not server.sockets:
+            return self._port
+        return int(server.sockets[0].getsockname()[1])
