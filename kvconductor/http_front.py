@@ -154,6 +154,7 @@ class QueryFront(asyncio.Protocol):
         "held",
         "paused",
         "route",
+        "scan",
         "site",
         "start",
         "timer",
@@ -165,6 +166,7 @@ class QueryFront(asyncio.Protocol):
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.route: _Route | None = None  # set while a head waits for its body
+        self.scan = 0  # where the search for the head's end resumes
         self.start = 0  # where that body starts in buf
         self.end = 0  # and where it ends
         self.held = 0  # body bytes counted in the API's shared budget
@@ -215,11 +217,16 @@ class QueryFront(asyncio.Protocol):
         while True:
             route = self.route
             if route is None:
-                end = buf.find(_HEAD_END)
+                end = buf.find(_HEAD_END, self.scan)
                 if end < 0:
                     if len(buf) > MAX_HEAD_BYTES:
                         self._hand_over()
+                        return
+                    # A head dribbled in byte by byte is searched once, not
+                    # once per byte from its start.
+                    self.scan = max(0, len(buf) - 3)
                     return
+                self.scan = 0
                 route = self._read_head(bytes(buf[: end + 4]))
                 if route is None:
                     self._hand_over()
