@@ -33,6 +33,11 @@ the body would be read (token right, declared size within the limit).
 
 The index is synchronous and fast, so handlers call it directly on the event
 loop: no executor hop, and no index mutation can interleave with a query.
+
+The daemon and replicas serve this app through `http_front.QuerySite`, whose
+front answers plain queries with the same `token_answer` / `hash_answer`,
+counters and bytes before aiohttp sees them, and hands every other request
+here with its connection.
 """
 
 from __future__ import annotations

@@ -46,15 +46,17 @@ from aiohttp.tcp_helpers import tcp_keepalive
 
 from kvconductor.http_api import API_KEY, QueryApi, error_body
 
-# A head longer than this is left to aiohttp (which answers 431 or 400).
+# Heads past aiohttp's limits (its request handler's defaults: lines of
+# 8190 bytes, 128 headers) are left to it, to be refused as it refuses them.
 MAX_HEAD_BYTES = 8190
+MAX_HEADERS = 128
 _HEAD_END = b"\r\n\r\n"
 
 
 class _Head:
     """What the front needs of one request head, from httptools' callbacks."""
 
-    __slots__ = ("auth", "heads", "length", "plain", "url")
+    __slots__ = ("auth", "fields", "heads", "length", "plain", "url")
 
     def __init__(self) -> None:
         self.url = b""
@@ -62,11 +64,13 @@ class _Head:
         self.auth: bytes | None = None
         self.plain = True
         self.heads = 0
+        self.fields = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields += 1
         name = name.lower()
         if name == b"content-length":
             if self.length is not None:
@@ -218,13 +222,13 @@ class QueryFront(asyncio.Protocol):
             route = self.route
             if route is None:
                 end = buf.find(_HEAD_END, self.scan)
-                if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        self._hand_over()
-                        return
+                if end < 0 and len(buf) <= MAX_HEAD_BYTES:
                     # A head dribbled in byte by byte is searched once, not
                     # once per byte from its start.
                     self.scan = max(0, len(buf) - 3)
+                    return
+                if end < 0 or end + 4 > MAX_HEAD_BYTES:
+                    self._hand_over()
                     return
                 self.scan = 0
                 route = self._read_head(bytes(buf[: end + 4]))
@@ -276,6 +280,7 @@ class QueryFront(asyncio.Protocol):
             or fields.length is None
             or not fields.plain
             or fields.heads != 1
+            or fields.fields > MAX_HEADERS
             or parser.get_method() != b"POST"
             or parser.get_http_version() != "1.1"
             or fields.length > site.api.max_body_bytes

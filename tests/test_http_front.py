@@ -22,7 +22,7 @@ from aiohttp import web
 
 from kvconductor.api_client import metric_sum, parse_metrics
 from kvconductor.http_api import make_app
-from kvconductor.http_front import QuerySite
+from kvconductor.http_front import MAX_HEAD_BYTES, MAX_HEADERS, QuerySite
 from kvconductor.metrics import Metrics
 from tests.harness import wait_for
 from tests.test_http_abuse import closed_by_server, connection, read_answer
@@ -104,6 +104,8 @@ REQUESTS = [
     chunked("/query", QUERY),
     get("/health"),
     get("/query"),
+    post("/query", QUERY, *(f"X-{i}: {i}" for i in range(MAX_HEADERS))),
+    post("/query", QUERY, "X-Long: " + "x" * MAX_HEAD_BYTES),
 ]
 LAST = get("/health", "Connection: close")
 
@@ -145,7 +147,8 @@ async def test_any_stream_split_anywhere_is_answered_as_aiohttp_answers_it(seed:
         expected = answers(await exchange(plain.port, stream, cuts))
     async with served() as front:
         got = answers(await exchange(front.port, stream, cuts))
-    assert len(expected) == len(picked) + 1
+    # aiohttp closes the connection after a head it refuses; else all answered.
+    assert len(expected) == len(picked) + 1 or expected[-1][0].startswith(b"HTTP/1.1 400")
     assert got == expected
 
 
