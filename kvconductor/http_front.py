@@ -56,30 +56,34 @@ _HEAD_END = b"\r\n\r\n"
 class _Head:
     """What the front needs of one request head, from httptools' callbacks."""
 
-    __slots__ = ("auth", "fields", "heads", "length", "plain", "url")
+    __slots__ = ("auth", "heads", "host", "length", "names", "plain", "url")
 
     def __init__(self) -> None:
         self.url = b""
         self.length: int | None = None
         self.auth: bytes | None = None
+        self.host = False
         self.plain = True
         self.heads = 0
-        self.fields = 0
+        self.names: set[bytes] = set()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.fields += 1
         name = name.lower()
+        names = self.names
+        if name in names or len(names) >= MAX_HEADERS:
+            # aiohttp refuses a second Host, Content-Length, Content-Type...
+            # and reads the first of others (Authorization): its call.
+            self.plain = False
+        names.add(name)
         if name == b"content-length":
-            if self.length is not None:
-                self.plain = False
             self.length = int(value)  # llhttp has checked: digits only
         elif name == b"authorization":
-            if self.auth is not None:
-                self.plain = False  # aiohttp reads the first; leave it to aiohttp
             self.auth = value
+        elif name == b"host":
+            self.host = True
         elif name in _NOT_PLAIN:
             self.plain = False
 
@@ -96,9 +100,19 @@ class _Head:
             self.plain = False
 
 
-# Framing, protocol switches and connection handling stay with aiohttp.
+# Framing, protocol switches and connection handling stay with aiohttp
+# (llhttp reads Proxy-Connection as Connection; aiohttp refuses the hixie-76
+# WebSocket key).
 _NOT_PLAIN = frozenset(
-    {b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"connection"}
+    {
+        b"transfer-encoding",
+        b"content-encoding",
+        b"expect",
+        b"upgrade",
+        b"connection",
+        b"proxy-connection",
+        b"sec-websocket-key1",
+    }
 )
 
 
@@ -155,7 +169,10 @@ class QueryFront(asyncio.Protocol):
         "buf",
         "deadline",
         "end",
+        "fed",
+        "head",
         "held",
+        "parser",
         "paused",
         "route",
         "scan",
@@ -169,8 +186,12 @@ class QueryFront(asyncio.Protocol):
         self.site = site
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
-        self.route: _Route | None = None  # set while a head waits for its body
+        # The head being read: its fields and parser, fed buf[:fed] so far.
+        self.head: _Head | None = None
+        self.parser: httptools.HttpRequestParser | None = None
+        self.fed = 0
         self.scan = 0  # where the search for the head's end resumes
+        self.route: _Route | None = None  # set while a head waits for its body
         self.start = 0  # where that body starts in buf
         self.end = 0  # and where it ends
         self.held = 0  # body bytes counted in the API's shared budget
@@ -185,9 +206,8 @@ class QueryFront(asyncio.Protocol):
         self.transport = transport = cast(asyncio.Transport, transport)
         tcp_keepalive(transport)
         self.site.fronts.add(self)
-        loop = self.site.loop
-        self.deadline = loop.time() + self.site.api.client_timeout_s
-        self.timer = loop.call_at(self.deadline, self._on_timer)
+        self._restart_deadline()
+        self.timer = self.site.loop.call_at(self.deadline, self._on_timer)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -204,12 +224,14 @@ class QueryFront(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         # Pipelined requests whose answers are not read: stop reading more.
+        # Like aiohttp waiting in drain(), the connection is not idle then.
         self.paused = True
         assert self.transport is not None
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.paused = False
+        self._restart_deadline()
         assert self.transport is not None
         self.transport.resume_reading()
 
@@ -222,21 +244,22 @@ class QueryFront(asyncio.Protocol):
             route = self.route
             if route is None:
                 end = buf.find(_HEAD_END, self.scan)
-                if end < 0 and len(buf) <= MAX_HEAD_BYTES:
-                    # A head dribbled in byte by byte is searched once, not
-                    # once per byte from its start.
-                    self.scan = max(0, len(buf) - 3)
-                    return
-                if end < 0 or end + 4 > MAX_HEAD_BYTES:
+                read = len(buf) if end < 0 else end + 4
+                # Fed as it comes, so that llhttp refuses what it will not
+                # take (TLS on this port, bare LF) at once, through aiohttp.
+                if read > MAX_HEAD_BYTES or not self._feed(read):
                     self._hand_over()
                     return
-                self.scan = 0
-                route = self._read_head(bytes(buf[: end + 4]))
+                if end < 0:
+                    # A head dribbled in byte by byte is searched once.
+                    self.scan = max(0, len(buf) - 3)
+                    return
+                route = self._plain_route()
                 if route is None:
                     self._hand_over()
                     return
                 self.route = route
-                self.deadline = self.site.loop.time() + api.client_timeout_s
+                self._restart_deadline()
             if len(buf) < self.end:
                 # The body is still coming: it counts against the budget of
                 # bodies buffered at once, which aiohttp answers with 503.
@@ -254,9 +277,8 @@ class QueryFront(asyncio.Protocol):
                 return
             route.latency.observe(time.perf_counter() - started)
             del buf[: self.end]
-            self._release()
-            self.route = None
-            self.deadline = self.site.loop.time() + api.client_timeout_s
+            self._next_request()
+            self._restart_deadline()
             api.count(route.endpoint, 200)
             assert self.transport is not None
             self.transport.write(
@@ -265,38 +287,61 @@ class QueryFront(asyncio.Protocol):
             if not buf:
                 return
 
-    def _read_head(self, head: bytes) -> _Route | None:
-        """The route of a plain query head, with its body's place; else None."""
-        fields = _Head()
-        parser = httptools.HttpRequestParser(fields)
+    def _feed(self, upto: int) -> bool:
+        """Give llhttp the head's bytes up to `upto`; False if it refuses them."""
+        if self.parser is None:
+            self.head = _Head()
+            self.parser = httptools.HttpRequestParser(self.head)
         try:
-            parser.feed_data(head)
+            # A copy, not a view: a view held on would pin buf's size.
+            self.parser.feed_data(bytes(self.buf[self.fed : upto]))
         except httptools.HttpParserError:
-            return None
+            return False
+        self.fed = upto
+        return True
+
+    def _plain_route(self) -> _Route | None:
+        """The route of a whole plain query head, with its body's place; else None."""
+        head, parser = self.head, self.parser
+        assert head is not None and parser is not None
         site = self.site
-        route = site.routes.get(fields.url)
+        route = site.routes.get(head.url)
         if (
             route is None
-            or fields.length is None
-            or not fields.plain
-            or fields.heads != 1
-            or fields.fields > MAX_HEADERS
+            or head.length is None
+            or not head.plain
+            or not head.host  # aiohttp refuses HTTP/1.1 without it
+            or head.heads != 1
             or parser.get_method() != b"POST"
             or parser.get_http_version() != "1.1"
-            or fields.length > site.api.max_body_bytes
-            or not site.api.token_ok(fields.auth)
+            or not parser.should_keep_alive()
+            or head.length > site.api.max_body_bytes
+            or not site.api.token_ok(head.auth)
         ):
             return None
-        self.start = len(head)
-        self.end = len(head) + fields.length
+        self.start = self.fed
+        self.end = self.fed + head.length
         return route
+
+    def _next_request(self) -> None:
+        self._release()
+        self.route = None
+        self.head = None
+        self.parser = None
+        self.fed = 0
+        self.scan = 0
+
+    def _restart_deadline(self) -> None:
+        self.deadline = self.site.loop.time() + self.site.api.client_timeout_s
 
     def _on_timer(self) -> None:
         transport = self.transport
         if transport is None:
             return
         loop = self.site.loop
-        if loop.time() < self.deadline:
+        if loop.time() < self.deadline or self.paused:
+            if self.paused:
+                self._restart_deadline()
             self.timer = loop.call_at(self.deadline, self._on_timer)
             return
         self.timer = None
@@ -323,7 +368,7 @@ class QueryFront(asyncio.Protocol):
         self.held = 0
 
     def _leave(self) -> None:
-        self._release()
+        self._next_request()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -335,7 +380,6 @@ class QueryFront(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         rest = bytes(self.buf)
-        self.route = None
         self._leave()
         handler = self.site.aiohttp_server()
         transport.set_protocol(handler)
@@ -349,7 +393,10 @@ class QueryFront(asyncio.Protocol):
             handler.data_received(rest)
 
     def close(self) -> None:
+        """Shutdown: as aiohttp cancels a handler at shutdown, a body half
+        received is not counted as the client's hang-up."""
         if self.transport is not None:
+            self.route = None
             self.transport.close()
 
 

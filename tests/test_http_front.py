@@ -104,10 +104,20 @@ REQUESTS = [
     chunked("/query", QUERY),
     get("/health"),
     get("/query"),
-    post("/query", QUERY, *(f"X-{i}: {i}" for i in range(MAX_HEADERS))),
-    post("/query", QUERY, "X-Long: " + "x" * MAX_HEAD_BYTES),
 ]
 LAST = get("/health", "Connection: close")
+# Requests after which aiohttp closes the connection: each ends a stream
+# (the server's close would reset a connection still sending).
+CLOSING = [
+    LAST,
+    post("/query", QUERY, "Proxy-Connection: close"),
+    post("/query", QUERY, "Host: again"),
+    post("/query", QUERY, "Content-Type: application/json", "Content-Type: text/plain"),
+    post("/query", QUERY, "Sec-WebSocket-Key1: 1"),
+    post("/query", QUERY).replace(b"Host: kvconductor\r\n", b""),
+    post("/query", QUERY).replace(b"\r\n", b"\n"),
+    post("/query", QUERY, *(f"X-{i}: {i}" for i in range(MAX_HEADERS))),
+]
 
 
 def answers(raw: bytes) -> list[tuple[bytes, list[bytes], bytes]]:
@@ -119,6 +129,11 @@ def answers(raw: bytes) -> list[tuple[bytes, list[bytes], bytes]]:
         status, *lines = raw[at:end].split(b"\r\n")
         fields = dict(x.partition(b": ")[::2] for x in lines)
         at = end + 4 + int(fields[b"Content-Length"])
+        if status.startswith(b"HTTP/1.0 400"):
+            # aiohttp's parser refused the head: its text quotes the bytes
+            # of the segment at hand, which depend on how TCP cut them.
+            out.append((status, [], b""))
+            continue
         out.append((status, [x for x in lines if not x.startswith(b"Date: ")], raw[end + 4 : at]))
     return out
 
@@ -136,19 +151,32 @@ async def exchange(port: int, stream: bytes, cuts: list[int]) -> bytes:
         writer.close()
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(30))
 async def test_any_stream_split_anywhere_is_answered_as_aiohttp_answers_it(seed: int) -> None:
+    await compare_stream(seed)
+
+
+def test_the_same_on_uvloop_which_the_daemon_runs() -> None:
+    uvloop = pytest.importorskip("uvloop")
+    for seed in range(30, 40):
+        uvloop.run(compare_stream(seed))
+
+
+async def compare_stream(seed: int) -> None:
     rnd = random.Random(seed)
     picked = [rnd.choice(PLAIN) for _ in range(rnd.randint(0, 6))]
     picked += [rnd.choice(REQUESTS) for _ in range(rnd.randint(1, 6))]
-    stream = b"".join([*picked, LAST])
-    cuts = sorted(rnd.sample(range(1, len(stream)), min(len(stream) - 1, rnd.randint(0, 20))))
+    last = rnd.choice(CLOSING)
+    stream = b"".join([*picked, last])
+    # Cut anywhere before the last request, which goes whole and on its own
+    # (aiohttp drops good requests read in one segment with a refused head).
+    cuts = sorted({*rnd.sample(range(1, len(stream) - len(last)), rnd.randint(0, 20))})
+    cuts.append(len(stream) - len(last))
     async with served(front=False) as plain:
         expected = answers(await exchange(plain.port, stream, cuts))
     async with served() as front:
         got = answers(await exchange(front.port, stream, cuts))
-    # aiohttp closes the connection after a head it refuses; else all answered.
-    assert len(expected) == len(picked) + 1 or expected[-1][0].startswith(b"HTTP/1.1 400")
+    assert len(expected) == len(picked) + 1
     assert got == expected
 
 
@@ -229,14 +257,15 @@ async def test_hanging_up_mid_body_counts_499() -> None:
 
 async def test_a_client_that_does_not_read_stops_the_reading_not_the_memory() -> None:
     n = 30_000
-    async with served() as s:
+    # Not reading answers for longer than the timeout is not idling.
+    async with served(client_timeout_s=0.3) as s:
         sock = socket.socket()
         # A small receive window, so that the answers back up into the server.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", s.port))
         reader, writer = await asyncio.open_connection(sock=sock)
         writer.write(post("/query", QUERY) * n + LAST)
-        await asyncio.sleep(0.5)  # the server fills its send buffer and pauses
+        await asyncio.sleep(1.5)  # the server fills its send buffer and pauses
         got = answers(await asyncio.wait_for(reader.read(-1), 30))
         writer.close()
     assert len(got) == n + 1
@@ -252,3 +281,31 @@ async def test_cleanup_closes_idle_front_connections() -> None:
         assert (await read_answer(reader)).status == 200
         await s.runner.cleanup()
         assert await closed_by_server(reader, 3)
+
+
+async def test_a_head_longer_than_the_front_reads_is_aiohttps() -> None:
+    # aiohttp limits a line, not the head: this one it answers.
+    request = post("/query", QUERY, "X-Long: " + "x" * MAX_HEAD_BYTES)
+    async with served() as s, connection(s.port) as (reader, writer):
+        writer.write(request + request)
+        for _ in range(2):
+            assert (await read_answer(reader)).json() == FULL_ANSWER
+        assert s.aiohttp_connections() == 1
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+        b"HELLO\r\n",
+        b"POST /query HTTP/1.1\nHost: x\n",
+    ],
+)
+async def test_what_llhttp_refuses_is_refused_at_once_as_aiohttp_does(garbage: bytes) -> None:
+    got = []
+    for front in (False, True):
+        async with served(front=front, client_timeout_s=30) as s, connection(s.port) as (r, w):
+            w.write(garbage)
+            got.append(await asyncio.wait_for(r.read(-1), 5))  # not the 30 s timeout
+    assert got[0].startswith(b"HTTP/1.0 400 Bad Request")
+    assert answers(got[1]) == answers(got[0])
