@@ -27,8 +27,16 @@ aiohttp answers the same.
 The front keeps aiohttp's two timers with one lazily re-armed deadline: a
 request's head must arrive within `client_timeout_s` of connecting or of
 the previous answer (else the connection is closed), and its body within
-`client_timeout_s` more (else 408, closed). A client that hangs up with a
-body half sent is counted as 499, as aiohttp's path counts it.
+`client_timeout_s` more (else 408, closed); the clock does not run while
+the client leaves its answers unread. A client that hangs up with a body
+half sent is counted as 499, as aiohttp's path counts it.
+
+Where the two still differ, by choice: a good request that arrives in one
+segment with a head aiohttp refuses is answered (aiohttp answers only the
+400); the 400 text of a refused head quotes the bytes aiohttp was handed,
+which can be more than one segment; a request handed over part-way (a
+head past 8190 bytes, a body past the budget) gets aiohttp's timers from
+the hand-over, so up to twice `client_timeout_s` in all.
 """
 
 from __future__ import annotations
