@@ -1,9 +1,10 @@
 """The HTTP figure: POST /query on the daemon's real app, one client then eight.
 
 The index is built from the workload in a forked process that serves the
-same aiohttp application as `kvconductor run` (`make_app`, no access log, on
-uvloop like the daemon) on a loopback socket; a second process drives it, so
-server and client compete for the same two cores the way a co-located router
+same application and site as `kvconductor run` (`make_app` behind
+`QuerySite`, no access log, on uvloop like the daemon) on a loopback socket;
+a second process, forked before the index is built, drives it, so server
+and client compete for the same two cores the way a co-located router
 would.
 
 The client is what a router's connection pool does at its cheapest: one
