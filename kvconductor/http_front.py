@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 from typing import Any, cast
 
@@ -127,7 +128,7 @@ _NOT_PLAIN = frozenset(
 class _Route:
     __slots__ = ("answer", "endpoint", "latency")
 
-    def __init__(self, endpoint: str, answer: Any, latency: Any) -> None:
+    def __init__(self, endpoint: str, answer: Callable[[bytes], bytes], latency: Any) -> None:
         self.endpoint = endpoint
         self.answer = answer
         self.latency = latency
@@ -457,14 +458,14 @@ class QuerySite(web.BaseSite):
         assert server is not None
         self.aiohttp_server = server
         self.loop = asyncio.get_running_loop()
-        if self._sock is not None:
-            self._server = await self.loop.create_server(
-                lambda: QueryFront(self), sock=self._sock, backlog=self._backlog
-            )
-        else:
-            self._server = await self.loop.create_server(
-                lambda: QueryFront(self), self._host, self._port, backlog=self._backlog
-            )
+        where: dict[str, Any] = (
+            {"sock": self._sock}
+            if self._sock is not None
+            else {"host": self._host, "port": self._port}
+        )
+        self._server = await self.loop.create_server(
+            lambda: QueryFront(self), backlog=self._backlog, **where
+        )
 
     async def stop(self) -> None:
         await super().stop()

@@ -148,21 +148,51 @@ async def send_body(
 # ------------------------------------------------ an app on a real port
 
 
+class Served:
+    """An app served on a free port: its runner, and its metrics to read."""
+
+    def __init__(self, port: int, app: web.Application, runner: web.AppRunner) -> None:
+        self.port = port
+        self.app = app
+        self.runner = runner
+        self.metrics = app[API_KEY].metrics
+
+    def aiohttp_connections(self) -> int:
+        assert self.runner.server is not None
+        return len(self.runner.server.connections)
+
+    def count(self, name: str, **labels: str) -> float:
+        text = self.metrics.render()
+        return metric_sum(
+            parse_metrics(text.decode() if isinstance(text, bytes) else text), name, **labels
+        )
+
+
 @contextlib.asynccontextmanager
-async def serving(**kwargs: Any) -> AsyncIterator[tuple[int, web.Application]]:
+async def served(front: bool = True, **options: Any) -> AsyncIterator[Served]:
     """make_app over a fed conductor, on 127.0.0.1 and a free port, behind the
-    daemon's site: every abuse reaches aiohttp through the query front."""
+    daemon's site (`front`) or aiohttp's own."""
     conductor = fed_conductor()
-    options: dict[str, Any] = {"max_body_bytes": MIB, "auth_token": None, **kwargs}
-    app = make_app(conductor, Metrics(conductor), ready=lambda: (True, "ok"), **options)
+    settings: dict[str, Any] = {"max_body_bytes": MIB, "auth_token": None, **options}
+    app = make_app(conductor, Metrics(conductor), ready=lambda: (True, "ok"), **settings)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = QuerySite(runner, "127.0.0.1", 0)
+    site: web.BaseSite = (
+        QuerySite(runner, "127.0.0.1", 0) if front else web.TCPSite(runner, "127.0.0.1", 0)
+    )
     await site.start()
     try:
-        yield site.port, app
+        yield Served(site.port, app, runner)  # type: ignore[attr-defined]
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving(**kwargs: Any) -> AsyncIterator[tuple[int, web.Application]]:
+    """`served` behind the daemon's site: every abuse reaches aiohttp through
+    the query front."""
+    async with served(**kwargs) as s:
+        yield s.port, s.app
 
 
 async def post(

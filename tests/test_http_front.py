@@ -14,56 +14,13 @@ import contextlib
 import json
 import random
 import socket
-from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
-from aiohttp import web
 
-from kvconductor.api_client import metric_sum, parse_metrics
-from kvconductor.http_api import make_app
-from kvconductor.http_front import MAX_HEAD_BYTES, MAX_HEADERS, QuerySite
-from kvconductor.metrics import Metrics
+from kvconductor.http_front import MAX_HEAD_BYTES, MAX_HEADERS
 from tests.harness import wait_for
-from tests.test_http_abuse import closed_by_server, connection, read_answer
-from tests.test_http_api import FULL_ANSWER, HASHES, TOKEN, fed_conductor, query
-
-MIB = 1 << 20
-
-
-class Served:
-    def __init__(self, port: int, runner: web.AppRunner, metrics: Metrics) -> None:
-        self.port = port
-        self.runner = runner
-        self.metrics = metrics
-
-    def aiohttp_connections(self) -> int:
-        assert self.runner.server is not None
-        return len(self.runner.server.connections)
-
-    def count(self, name: str, **labels: str) -> float:
-        text = self.metrics.render()
-        return metric_sum(
-            parse_metrics(text.decode() if isinstance(text, bytes) else text), name, **labels
-        )
-
-
-@contextlib.asynccontextmanager
-async def served(front: bool = True, **options: Any) -> AsyncIterator[Served]:
-    conductor = fed_conductor()
-    metrics = Metrics(conductor)
-    settings: dict[str, Any] = {"max_body_bytes": MIB, "auth_token": None, **options}
-    app = make_app(conductor, metrics, ready=lambda: (True, "ok"), **settings)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site: web.BaseSite = (
-        QuerySite(runner, "127.0.0.1", 0) if front else web.TCPSite(runner, "127.0.0.1", 0)
-    )
-    await site.start()
-    try:
-        yield Served(site.port, runner, metrics)  # type: ignore[attr-defined]
-    finally:
-        await runner.cleanup()
+from tests.test_http_abuse import closed_by_server, connection, read_answer, served
+from tests.test_http_api import FULL_ANSWER, HASHES, TOKEN, query
 
 
 def post(path: str, body: bytes, *headers: str) -> bytes:
