@@ -46,6 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,7 @@ class _Paced:
     producing: bool = True
     open: list[_Probe] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
+    sent_wall: list[float] = field(default_factory=list)  # each latency's send, epoch seconds
     to_ack: list[float] = field(default_factory=list)  # the Kafka write's part
     round_trips: list[float] = field(default_factory=list)
 
@@ -360,6 +362,7 @@ class _Run:
             "p50_ms": percentile(ms, 50),
             "p99_ms": percentile(ms, 99),
             "max_ms": ms[-1] if ms else None,
+            "probe_times": list(zip(state.sent_wall, state.latencies, strict=True)),
             "ack_p50_ms": percentile(ack_ms, 50),
             "ack_p99_ms": percentile(ack_ms, 99),
             "rtt_ms": percentile(sorted(x * 1000 for x in state.round_trips), 50),
@@ -410,6 +413,7 @@ class _Run:
         All of a round's queries are in flight together: the daemon answers
         between two batches, so asking one probe after the other would add
         a batch's apply time per open probe to the later ones."""
+        wall = time.time() - time.perf_counter()  # the daemon logs epoch times
         while state.producing or state.open:
             probes = list(state.open)
             t = time.perf_counter()
@@ -420,6 +424,7 @@ class _Run:
             for probe, visible in zip(probes, seen, strict=True):
                 if visible:
                     state.latencies.append(now - probe.sent)
+                    state.sent_wall.append(probe.sent + wall)
                     if probe.acked is not None:
                         state.to_ack.append(probe.acked - probe.sent)
                     state.open.remove(probe)
@@ -457,15 +462,18 @@ async def _one_run(
         code = daemon.stop()
     published = daemon.log_events("snapshot published")
     snapshots = [float(e.get("seconds", 0.0)) for e in published]
-    # The longest hold of the event lock by a generation published while
-    # running (the one at stop holds it throughout, by design); a daemon
-    # that logs no `hold_s` holds it for the whole publish.
-    stopped = [e["timestamp"] for e in daemon.log_events(STOP_EVENT)]
-    holds = [
-        float(e.get("hold_s", e.get("seconds", 0.0)))
+    # Generations started while running (the hand-over one at stop holds the
+    # lock throughout, by design): the longest time each held the event lock
+    # (a daemon that logs no `hold_s` holds it for the whole publish), and
+    # when each ran, to split the probes by it.
+    stopped = [_epoch(e["timestamp"]) for e in daemon.log_events(STOP_EVENT)]
+    running = [
+        (_epoch(e["timestamp"]) - float(e.get("seconds", 0.0)), _epoch(e["timestamp"]), e)
         for e in published
-        if not stopped or e["timestamp"] < stopped[0]
     ]
+    running = [g for g in running if not stopped or g[0] < stopped[0]]
+    holds = [float(e.get("hold_s", e.get("seconds", 0.0))) for _, _, e in running]
+    half.update(by_generation(half.pop("probe_times"), [(a, b) for a, b, _ in running]))
     return {
         "sustained": sustained,
         "half_load": half,
@@ -476,6 +484,29 @@ async def _one_run(
         "exit_code": code,
         "partitions": daemon.partitions,
         "snapshot_interval_s": daemon.snapshot_interval_s,
+    }
+
+
+def _epoch(timestamp: str) -> float:
+    """The daemon's log time (ISO 8601, UTC) in epoch seconds."""
+    return datetime.fromisoformat(timestamp).timestamp()
+
+
+def by_generation(
+    probes: Sequence[tuple[float, float]], generations: Sequence[tuple[float, float]]
+) -> dict[str, Any]:
+    """p99 of the probes whose wait (send to seen, epoch seconds) overlapped
+    a snapshot generation, and of the others: how much of the tail is the
+    snapshot's."""
+    during: list[float] = []
+    outside: list[float] = []
+    for sent, latency in probes:
+        hit = any(start < sent + latency and sent < end for start, end in generations)
+        (during if hit else outside).append(latency * 1000)
+    return {
+        "probes_during_generations": len(during),
+        "p99_during_generations_ms": percentile(sorted(during), 99) if during else None,
+        "p99_outside_generations_ms": percentile(sorted(outside), 99) if outside else None,
     }
 
 
@@ -492,6 +523,15 @@ def _frozen_run(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     gc.collect()
     gc.freeze()
     return asyncio.run(main)
+
+
+def _ms_or_none(value: float | None) -> str:
+    return "none" if value is None else f"{value:.1f} ms"
+
+
+def _summary_of(runs: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """`summary` of the runs that have `key` (a run may have no probe in a generation)."""
+    return summary([r[key] for r in runs if r[key] is not None])
 
 
 def e2e_figure(
@@ -525,7 +565,10 @@ def e2e_figure(
             f"  e2e run {r + 1}/{repeats}: {s['blocks']:,} block events in "
             f"{s['applied_s']:.2f} s = {s['rate']:,.0f}/s; at {h['rate']:,.0f}/s "
             f"produce-to-queryable p50 {h['p50_ms']:.1f} ms p99 {h['p99_ms']:.1f} ms "
-            f"({h['probes'] - h['lost']}/{h['probes']} probes), answers identical: "
+            f"({h['probes'] - h['lost']}/{h['probes']} probes; p99 outside generations "
+            f"{_ms_or_none(h['p99_outside_generations_ms'])}, during "
+            f"{_ms_or_none(h['p99_during_generations_ms'])} "
+            f"({h['probes_during_generations']} probes)), answers identical: "
             f"{res['identical']}; longest snapshot lock hold "
             f"{res['snapshot_max_hold_s'] * 1000:.0f} ms"
         )
@@ -543,6 +586,9 @@ def e2e_figure(
             "rate": summary([h["rate"] for h in half]),
             "p50_ms": summary([h["p50_ms"] for h in half]),
             "p99_ms": summary([h["p99_ms"] for h in half]),
+            "p99_outside_generations_ms": _summary_of(half, "p99_outside_generations_ms"),
+            "p99_during_generations_ms": _summary_of(half, "p99_during_generations_ms"),
+            "probes_during_generations": sum(h["probes_during_generations"] for h in half),
             "ack_p50_ms": summary([h["ack_p50_ms"] for h in half]),
             "ack_p99_ms": summary([h["ack_p99_ms"] for h in half]),
             "max_ms": max(h["max_ms"] or 0.0 for h in half),

@@ -126,6 +126,21 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
     assert json.loads(Path(paths["json"]).read_text())["mode"] == "test"
 
 
+def test_probes_are_split_by_the_generations_they_waited_through() -> None:
+    from bench.e2e import by_generation
+
+    # (sent, latency) in epoch seconds; one generation from 10 to 12.
+    probes = [(9.0, 0.5), (9.5, 0.6), (11.0, 0.01), (12.5, 0.02)]
+    split = by_generation(probes, [(10.0, 12.0)])
+    assert split["probes_during_generations"] == 2
+    assert split["p99_during_generations_ms"] == pytest.approx(600)
+    assert split["p99_outside_generations_ms"] == pytest.approx(500)
+    none = by_generation(probes, [])
+    assert none["probes_during_generations"] == 0
+    assert none["p99_during_generations_ms"] is None
+    assert none["p99_outside_generations_ms"] == pytest.approx(600)
+
+
 @pytest.mark.kafka
 def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> None:
     """Figures 4 and 5 on the session's broker: a daemon subprocess per run."""
@@ -161,6 +176,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     assert e2e["bad_records"] == 0
     assert half["probes"] > 0 and half["lost"] == 0
     assert half["p50_ms"]["median"] <= half["p99_ms"]["median"] <= half["max_ms"]
+    assert 0 <= half["probes_during_generations"] <= half["probes"]
     assert e2e["daemon"]["exit_codes"] == [0]
     assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 1
     restore = result["restore"]
