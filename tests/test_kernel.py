@@ -174,6 +174,8 @@ def query_bodies(draw: st.DrawFn) -> bytes:
 @given(query_bodies())
 # A block size past i64 that msgspec still reads as an int (u64).
 @example(b'{"block_size":9223372036854775808,"token_ids":[],"model":"again"}')
+# Past u64: the one-pass reader leaves it to the typed decoder (found by hypothesis).
+@example(b'{"block_size":18446744073709551616,"token_ids":[],"model":"again"}')
 def test_read_token_query_takes_only_what_the_typed_decoder_takes(body: bytes) -> None:
     """One pass or two, a query is read as the `TokenQuery` decoder reads it,
     tokens packed; whatever is not plainly valid is left to that decoder."""
@@ -186,8 +188,9 @@ def test_read_token_query_takes_only_what_the_typed_decoder_takes(body: bytes) -
     if got is not None:
         assert got == want
     elif want is not None:
-        # Only a duplicate field may go the typed decoder's way although valid.
-        assert body.count(b'"model"') > 1
+        # Only a duplicate field, or a block size past u64 (msgspec reads an
+        # int of any size), may go the typed decoder's way although valid.
+        assert body.count(b'"model"') > 1 or want[0].block_size >= 2**64
     read = KERNEL.read_token_query(body) if KERNEL is not None else None
     if read is not None:
         assert want is not None
