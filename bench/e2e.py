@@ -123,6 +123,12 @@ class DaemonProcess:
             proc.kill()
             return proc.wait(timeout)
 
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("the daemon is not running")
+        return self.proc.pid
+
     def _check_alive(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError(f"the daemon exited; its log:\n{self.log_tail()}")
@@ -246,6 +252,14 @@ class _ProbeClient:
             conn.close()
 
 
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds a process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        # Fields after the command name, which may hold spaces and parens.
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _mark_acked(probe: _Probe, _ack: object) -> None:
     probe.acked = time.perf_counter()
 
@@ -342,12 +356,16 @@ class _Run:
         parts = sorted(await self.producer.partitions_for(self.topics[0]))
         state = _Paced()
         probes = _ProbeClient(self.daemon.port)
+        cpu = (process_cpu_s(self.daemon.pid), time.process_time(), time.perf_counter())
         try:
             await asyncio.gather(
                 self._paced(state, records, rate, seconds, parts), self._poll(state, probes)
             )
         finally:
             probes.close()
+        wall = time.perf_counter() - cpu[2]
+        daemon_cpu = (process_cpu_s(self.daemon.pid) - cpu[0]) / wall
+        driver_cpu = (time.process_time() - cpu[1]) / wall
         _, bad = await self.daemon.wait_consumed(self.session, self.sent)
         ms = sorted(x * 1000 for x in state.latencies)
         ack_ms = sorted(x * 1000 for x in state.to_ack)
@@ -367,6 +385,10 @@ class _Run:
             "ack_p99_ms": percentile(ack_ms, 99),
             "rtt_ms": percentile(sorted(x * 1000 for x in state.round_trips), 50),
             "bad_records": bad,  # over the daemon's life: both phases
+            # Shares of one core while producing: how full the daemon was,
+            # and what this driver took from the cores it shares with it.
+            "daemon_cpu": daemon_cpu,
+            "driver_cpu": driver_cpu,
         }
 
     async def _paced(
@@ -568,7 +590,8 @@ def e2e_figure(
             f"({h['probes'] - h['lost']}/{h['probes']} probes; p99 outside generations "
             f"{_ms_or_none(h['p99_outside_generations_ms'])}, during "
             f"{_ms_or_none(h['p99_during_generations_ms'])} "
-            f"({h['probes_during_generations']} probes)), answers identical: "
+            f"({h['probes_during_generations']} probes)); daemon CPU {h['daemon_cpu']:.0%} "
+            f"of a core, driver {h['driver_cpu']:.0%}; answers identical: "
             f"{res['identical']}; longest snapshot lock hold "
             f"{res['snapshot_max_hold_s'] * 1000:.0f} ms"
         )
@@ -588,6 +611,8 @@ def e2e_figure(
             "p99_ms": summary([h["p99_ms"] for h in half]),
             "p99_outside_generations_ms": _summary_of(half, "p99_outside_generations_ms"),
             "p99_during_generations_ms": _summary_of(half, "p99_during_generations_ms"),
+            "daemon_cpu": summary([h["daemon_cpu"] for h in half]),
+            "driver_cpu": summary([h["driver_cpu"] for h in half]),
             "probes_during_generations": sum(h["probes_during_generations"] for h in half),
             "ack_p50_ms": summary([h["ack_p50_ms"] for h in half]),
             "ack_p99_ms": summary([h["ack_p99_ms"] for h in half]),

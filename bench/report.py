@@ -428,12 +428,14 @@ def _e2e_section(e2e: dict[str, Any]) -> list[str]:
         f"({_n(half['target_rate']['median'])}) block events/s for {half['seconds']:.0f} s a run |",
         f"| produce-to-queryable p50 / p99 / max | {_ms(half['p50_ms'], 1)} / "
         f"{_ms(half['p99_ms'], 1)} / {half['max_ms']:,.1f} ms |",
+        f"| of which send to broker ack, p50 / p99 | {_ms(half['ack_p50_ms'], 1)} / "
+        f"{_ms(half['ack_p99_ms'], 1)} ms |",
         f"| p99 of the probes outside / during a snapshot generation "
         f"({half.get('probes_during_generations', 0):,} probes during) "
         f"| {_ms(half.get('p99_outside_generations_ms'), 1)} / "
         f"{_ms(half.get('p99_during_generations_ms'), 1)} ms |",
-        f"| of which send to broker ack, p50 / p99 | {_ms(half['ack_p50_ms'], 1)} / "
-        f"{_ms(half['ack_p99_ms'], 1)} ms |",
+        f"| CPU while producing, share of one core: the daemon / this benchmark's driver "
+        f"| {_ms(half.get('daemon_cpu'), 2)} / {_ms(half.get('driver_cpu'), 2)} |",
         f"| probes seen / sent | {half['probes'] - half['lost']:,} / {half['probes']:,} |",
         f"| resolution: poll interval + query round trip (median) | {half['poll_ms']:.0f} + "
         f"{_ms(half['rtt_ms'], 1)} ms |",

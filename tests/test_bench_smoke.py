@@ -6,6 +6,8 @@ No timing is asserted here, ever: the numbers belong to `kvconductor bench`.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import msgspec
@@ -141,6 +143,17 @@ def test_probes_are_split_by_the_generations_they_waited_through() -> None:
     assert none["p99_outside_generations_ms"] == pytest.approx(600)
 
 
+def test_a_process_cpu_time_is_read_from_proc() -> None:
+    from bench.e2e import process_cpu_s
+
+    before = process_cpu_s(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    # /proc counts in clock ticks (10 ms): 50 ms of work shows.
+    assert process_cpu_s(os.getpid()) > before
+
+
 @pytest.mark.kafka
 def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> None:
     """Figures 4 and 5 on the session's broker: a daemon subprocess per run."""
@@ -177,6 +190,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     assert half["probes"] > 0 and half["lost"] == 0
     assert half["p50_ms"]["median"] <= half["p99_ms"]["median"] <= half["max_ms"]
     assert 0 <= half["probes_during_generations"] <= half["probes"]
+    assert half["daemon_cpu"]["median"] > 0 and half["driver_cpu"]["median"] > 0
     assert e2e["daemon"]["exit_codes"] == [0]
     assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 1
     restore = result["restore"]
