@@ -60,7 +60,7 @@ from bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
 from bench.cluster import Record, stored_event
-from bench.measure import forked, percentile, summary
+from bench.measure import forked, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
 from bench.workload import Workload
 from kvconductor import kafka_local
@@ -252,14 +252,6 @@ class _ProbeClient:
             conn.close()
 
 
-def process_cpu_s(pid: int) -> float:
-    """User and system CPU seconds a process has used (Linux /proc)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        # Fields after the command name, which may hold spaces and parens.
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _mark_acked(probe: _Probe, _ack: object) -> None:
     probe.acked = time.perf_counter()
 
@@ -356,16 +348,18 @@ class _Run:
         parts = sorted(await self.producer.partitions_for(self.topics[0]))
         state = _Paced()
         probes = _ProbeClient(self.daemon.port)
-        cpu = (process_cpu_s(self.daemon.pid), time.process_time(), time.perf_counter())
+        daemon_before = sum(process_cpu_s(self.daemon.pid))
+        driver_before = time.process_time()
+        started = time.perf_counter()
         try:
             await asyncio.gather(
                 self._paced(state, records, rate, seconds, parts), self._poll(state, probes)
             )
         finally:
             probes.close()
-        wall = time.perf_counter() - cpu[2]
-        daemon_cpu = (process_cpu_s(self.daemon.pid) - cpu[0]) / wall
-        driver_cpu = (time.process_time() - cpu[1]) / wall
+        wall = time.perf_counter() - started
+        daemon_cpu = (sum(process_cpu_s(self.daemon.pid)) - daemon_before) / wall
+        driver_cpu = (time.process_time() - driver_before) / wall
         _, bad = await self.daemon.wait_consumed(self.session, self.sent)
         ms = sorted(x * 1000 for x in state.latencies)
         ack_ms = sorted(x * 1000 for x in state.to_ack)
@@ -489,13 +483,15 @@ async def _one_run(
     # (a daemon that logs no `hold_s` holds it for the whole publish), and
     # when each ran, to split the probes by it.
     stopped = [_epoch(e["timestamp"]) for e in daemon.log_events(STOP_EVENT)]
-    running = [
-        (_epoch(e["timestamp"]) - float(e.get("seconds", 0.0)), _epoch(e["timestamp"]), e)
-        for e in published
-    ]
-    running = [g for g in running if not stopped or g[0] < stopped[0]]
-    holds = [float(e.get("hold_s", e.get("seconds", 0.0))) for _, _, e in running]
-    half.update(by_generation(half.pop("probe_times"), [(a, b) for a, b, _ in running]))
+    ran: list[tuple[float, float]] = []
+    holds: list[float] = []
+    for e in published:
+        end = _epoch(e["timestamp"])
+        start = end - float(e.get("seconds", 0.0))
+        if not stopped or start < stopped[0]:
+            ran.append((start, end))
+            holds.append(float(e.get("hold_s", e.get("seconds", 0.0))))
+    half.update(by_generation(half.pop("probe_times"), ran))
     return {
         "sustained": sustained,
         "half_load": half,

@@ -26,14 +26,13 @@ from typing import Any, TypeVar
 import msgspec
 
 from bench import raw_http
-from bench.measure import forked, percentile
+from bench.measure import forked, percentile, process_cpu_s
 from bench.peers import KvconductorPeer
 from bench.workload import Workload
 from kvconductor.query_wire import TokenQuery
 
 CLIENTS = 8
 WARM_UP = 32  # requests before the clock starts: connection, caches, first-call paths
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 T = TypeVar("T")
 
@@ -133,13 +132,6 @@ async def _serve(sock: socket.socket, peer: KvconductorPeer, client: int) -> Non
         await runner.cleanup()
 
 
-def _cpu_s(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of a process (Linux /proc, clock ticks)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rpartition(b")")[2].split()
-    return int(fields[11]) * _TICK_S, int(fields[12]) * _TICK_S
-
-
 async def _drive(
     port: int, server_pid: int, bodies: list[bytes], expected: list[bytes], requests: int
 ) -> dict[str, Any]:
@@ -168,11 +160,11 @@ async def _drive(
             for i in next_request:
                 latencies.append(await one(conn, i))
 
-        before = _cpu_s(server_pid), _cpu_s(os.getpid())
+        before = process_cpu_s(server_pid), process_cpu_s(os.getpid())
         started = time.perf_counter()
         await asyncio.gather(*(client(c) for c in connections[:clients]))
         elapsed = time.perf_counter() - started
-        after = _cpu_s(server_pid), _cpu_s(os.getpid())
+        after = process_cpu_s(server_pid), process_cpu_s(os.getpid())
         n = len(latencies)
         stats = {"qps": n / elapsed}
         for who, b, a in zip(("server", "client"), before, after, strict=True):

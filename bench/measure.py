@@ -16,6 +16,8 @@ import msgspec
 
 T = TypeVar("T")
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of already sorted values."""
@@ -46,6 +48,14 @@ def rss_bytes() -> int:
     with open("/proc/self/statm", "rb") as f:
         resident = int(f.read().split()[1])
     return resident * os.sysconf("SC_PAGE_SIZE")
+
+
+def process_cpu_s(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process (Linux /proc, clock ticks)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        # Fields after the command name, which may hold spaces and parens.
+        fields = f.read().rpartition(b")")[2].split()
+    return int(fields[11]) * _TICK_S, int(fields[12]) * _TICK_S
 
 
 def settle() -> int:
