@@ -62,6 +62,7 @@ from bench import raw_http
 from bench.cluster import Record, stored_event
 from bench.measure import forked, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
+from bench.restore import broker_pid
 from bench.workload import Workload
 from kvconductor import kafka_local
 from kvconductor.bridge.config import BridgeSettings
@@ -262,11 +263,13 @@ class _Run:
     def __init__(
         self,
         w: Workload,
+        bootstrap: str,
         daemon: DaemonProcess,
         producer: AIOKafkaProducer,
         session: aiohttp.ClientSession,
     ) -> None:
         self.cfg = w.config
+        self.bootstrap = bootstrap
         self.daemon = daemon
         self.producer = producer
         self.session = session
@@ -348,7 +351,10 @@ class _Run:
         parts = sorted(await self.producer.partitions_for(self.topics[0]))
         state = _Paced()
         probes = _ProbeClient(self.daemon.port)
-        daemon_before = sum(process_cpu_s(self.daemon.pid))
+        # Shares of one core while producing: how full the daemon was, what
+        # the broker and this driver took from the cores they share with it.
+        watched = {"daemon": self.daemon.pid, "broker": broker_pid(self.bootstrap)}
+        before = {k: sum(process_cpu_s(pid)) for k, pid in watched.items() if pid is not None}
         driver_before = time.process_time()
         started = time.perf_counter()
         try:
@@ -358,7 +364,11 @@ class _Run:
         finally:
             probes.close()
         wall = time.perf_counter() - started
-        daemon_cpu = (sum(process_cpu_s(self.daemon.pid)) - daemon_before) / wall
+        cpu: dict[str, float | None] = {"broker": None}
+        for k, spent in before.items():
+            pid = watched[k]
+            assert pid is not None
+            cpu[k] = (sum(process_cpu_s(pid)) - spent) / wall
         driver_cpu = (time.process_time() - driver_before) / wall
         _, bad = await self.daemon.wait_consumed(self.session, self.sent)
         ms = sorted(x * 1000 for x in state.latencies)
@@ -379,9 +389,8 @@ class _Run:
             "ack_p99_ms": percentile(ack_ms, 99),
             "rtt_ms": percentile(sorted(x * 1000 for x in state.round_trips), 50),
             "bad_records": bad,  # over the daemon's life: both phases
-            # Shares of one core while producing: how full the daemon was,
-            # and what this driver took from the cores it shares with it.
-            "daemon_cpu": daemon_cpu,
+            "daemon_cpu": cpu["daemon"],
+            "broker_cpu": cpu["broker"],  # None: not a broker this benchmark started
             "driver_cpu": driver_cpu,
         }
 
@@ -468,7 +477,7 @@ async def _one_run(
             try:
                 for topic in (daemon.engine_topic, daemon.pool_topic):
                     await producer.partitions_for(topic)  # metadata before the clock
-                run = _Run(w, daemon, producer, session)
+                run = _Run(w, bootstrap, daemon, producer, session)
                 sustained = await run.sustained(first)
                 answers = await run.answers(prompts)
                 half = await run.half_load(rest, sustained["rate"] / 2, seconds)
@@ -547,6 +556,10 @@ def _ms_or_none(value: float | None) -> str:
     return "none" if value is None else f"{value:.1f} ms"
 
 
+def _share_or_none(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.0%}"
+
+
 def _summary_of(runs: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     """`summary` of the runs that have `key` (a run may have no probe in a generation)."""
     return summary([r[key] for r in runs if r[key] is not None])
@@ -586,8 +599,9 @@ def e2e_figure(
             f"({h['probes'] - h['lost']}/{h['probes']} probes; p99 outside generations "
             f"{_ms_or_none(h['p99_outside_generations_ms'])}, during "
             f"{_ms_or_none(h['p99_during_generations_ms'])} "
-            f"({h['probes_during_generations']} probes)); daemon CPU {h['daemon_cpu']:.0%} "
-            f"of a core, driver {h['driver_cpu']:.0%}; answers identical: "
+            f"({h['probes_during_generations']} probes)); CPU: daemon {h['daemon_cpu']:.0%} "
+            f"of a core, broker {_share_or_none(h['broker_cpu'])}, driver "
+            f"{h['driver_cpu']:.0%}; answers identical: "
             f"{res['identical']}; longest snapshot lock hold "
             f"{res['snapshot_max_hold_s'] * 1000:.0f} ms"
         )
@@ -608,6 +622,7 @@ def e2e_figure(
             "p99_outside_generations_ms": _summary_of(half, "p99_outside_generations_ms"),
             "p99_during_generations_ms": _summary_of(half, "p99_during_generations_ms"),
             "daemon_cpu": summary([h["daemon_cpu"] for h in half]),
+            "broker_cpu": _summary_of(half, "broker_cpu"),
             "driver_cpu": summary([h["driver_cpu"] for h in half]),
             "probes_during_generations": sum(h["probes_during_generations"] for h in half),
             "ack_p50_ms": summary([h["ack_p50_ms"] for h in half]),

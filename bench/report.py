@@ -434,8 +434,9 @@ def _e2e_section(e2e: dict[str, Any]) -> list[str]:
         f"({half.get('probes_during_generations', 0):,} probes during) "
         f"| {_ms(half.get('p99_outside_generations_ms'), 1)} / "
         f"{_ms(half.get('p99_during_generations_ms'), 1)} ms |",
-        f"| CPU while producing, share of one core: the daemon / this benchmark's driver "
-        f"| {_ms(half.get('daemon_cpu'), 2)} / {_ms(half.get('driver_cpu'), 2)} |",
+        f"| CPU while producing, share of one core: the daemon / the broker / this "
+        f"benchmark's driver | {_ms(half.get('daemon_cpu'), 2)} / "
+        f"{_ms(half.get('broker_cpu'), 2)} / {_ms(half.get('driver_cpu'), 2)} |",
         f"| probes seen / sent | {half['probes'] - half['lost']:,} / {half['probes']:,} |",
         f"| resolution: poll interval + query round trip (median) | {half['poll_ms']:.0f} + "
         f"{_ms(half['rtt_ms'], 1)} ms |",

@@ -39,10 +39,24 @@ def local_broker() -> Iterator[str]:
         data_dir = Path(tmp)
         port, controller = kafka_local.free_ports(2)
         bootstrap = kafka_local.start(data_dir, port=port, controller_port=controller)
+        pid = kafka_local.running_pid(data_dir)
+        if pid is not None:
+            _local_pids[bootstrap] = pid
         try:
             yield bootstrap
         finally:
+            _local_pids.pop(bootstrap, None)
             kafka_local.stop(data_dir)
+
+
+# The brokers `local_broker` runs, by bootstrap: their pids.
+_local_pids: dict[str, int] = {}
+
+
+def broker_pid(bootstrap: str) -> int | None:
+    """The pid of the broker `local_broker` runs at `bootstrap` (None: a
+    broker of someone else's, as --bootstrap gives)."""
+    return _local_pids.get(bootstrap)
 
 
 def new_topic() -> str:

@@ -614,7 +614,8 @@ def _forget(data_dir: Path) -> None:
     (data_dir / STATE_FILE).unlink(missing_ok=True)
 
 
-def _running_pid(data_dir: Path) -> int | None:
+def running_pid(data_dir: Path) -> int | None:
+    """The pid of the broker running from ``data_dir``, if one is."""
     pid = _read_pid(data_dir)
     if pid is None:
         return None
@@ -802,7 +803,7 @@ def start(
     controller_port = port + 1 if controller_port is None else controller_port
     data_dir.mkdir(parents=True, exist_ok=True)
     with _locked(data_dir / LOCK_FILE):
-        pid = _running_pid(data_dir)
+        pid = running_pid(data_dir)
         if pid is not None:
             state = _read_state(data_dir)
             running_port = state.get("port")
@@ -935,7 +936,7 @@ def stop(data_dir: Path | None = None, timeout_s: float = STOP_TIMEOUT_S) -> boo
         _say(f"not running ({data_dir} does not exist)")
         return False
     with _locked(data_dir / LOCK_FILE):
-        pid = _running_pid(data_dir)
+        pid = running_pid(data_dir)
         if pid is None:
             if (data_dir / PID_FILE).exists():
                 _say("removing a stale pid file")
@@ -952,7 +953,7 @@ def stop(data_dir: Path | None = None, timeout_s: float = STOP_TIMEOUT_S) -> boo
 def status(data_dir: Path | None = None) -> BrokerStatus:
     """Print and return whether the broker of ``data_dir`` runs, its pid and bootstrap."""
     data_dir = _resolve_dir(data_dir)
-    pid = _running_pid(data_dir) if data_dir.is_dir() else None
+    pid = running_pid(data_dir) if data_dir.is_dir() else None
     if pid is None:
         print(f"stopped (dir {data_dir})")
         return BrokerStatus(data_dir=data_dir, running=False)

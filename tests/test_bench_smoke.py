@@ -14,7 +14,9 @@ import msgspec
 import pytest
 
 from bench import report
+from bench.measure import process_cpu_s
 from bench.peers import dynamo_available
+from bench.restore import broker_pid, local_broker
 from bench.suite import Options, run
 from bench.trace import trace_workload
 from bench.workload import WorkloadConfig, generate
@@ -191,6 +193,8 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     assert half["p50_ms"]["median"] <= half["p99_ms"]["median"] <= half["max_ms"]
     assert 0 <= half["probes_during_generations"] <= half["probes"]
     assert half["daemon_cpu"]["median"] > 0 and half["driver_cpu"]["median"] > 0
+    # The test's broker is not one the benchmark started: its CPU is not measured.
+    assert half["broker_cpu"]["median"] is None
     assert e2e["daemon"]["exit_codes"] == [0]
     assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 1
     restore = result["restore"]
@@ -211,3 +215,15 @@ def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
         main(argv)
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+@pytest.mark.kafka
+def test_the_benchmarks_own_broker_is_known_by_its_bootstrap() -> None:
+    """The e2e figure's broker CPU share reads the process `local_broker` runs."""
+    with local_broker() as bootstrap:
+        pid = broker_pid(bootstrap)
+        assert pid is not None
+        assert sum(process_cpu_s(pid)) > 0  # a live process: it started a JVM
+        assert "java" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    assert broker_pid(bootstrap) is None
+    assert broker_pid("127.0.0.1:1") is None
