@@ -353,8 +353,9 @@ class _Run:
         probes = _ProbeClient(self.daemon.port)
         # Shares of one core while producing: how full the daemon was, what
         # the broker and this driver took from the cores they share with it.
-        watched = {"daemon": self.daemon.pid, "broker": broker_pid(self.bootstrap)}
-        before = {k: sum(process_cpu_s(pid)) for k, pid in watched.items() if pid is not None}
+        pids = {"daemon": self.daemon.pid, "broker": broker_pid(self.bootstrap)}
+        watched = {k: pid for k, pid in pids.items() if pid is not None}
+        before = {k: sum(process_cpu_s(pid)) for k, pid in watched.items()}
         driver_before = time.process_time()
         started = time.perf_counter()
         try:
@@ -364,11 +365,7 @@ class _Run:
         finally:
             probes.close()
         wall = time.perf_counter() - started
-        cpu: dict[str, float | None] = {"broker": None}
-        for k, spent in before.items():
-            pid = watched[k]
-            assert pid is not None
-            cpu[k] = (sum(process_cpu_s(pid)) - spent) / wall
+        cpu = {k: (sum(process_cpu_s(pid)) - before[k]) / wall for k, pid in watched.items()}
         driver_cpu = (time.process_time() - driver_before) / wall
         _, bad = await self.daemon.wait_consumed(self.session, self.sent)
         ms = sorted(x * 1000 for x in state.latencies)
@@ -390,7 +387,7 @@ class _Run:
             "rtt_ms": percentile(sorted(x * 1000 for x in state.round_trips), 50),
             "bad_records": bad,  # over the daemon's life: both phases
             "daemon_cpu": cpu["daemon"],
-            "broker_cpu": cpu["broker"],  # None: not a broker this benchmark started
+            "broker_cpu": cpu.get("broker"),  # None: not a broker this benchmark started
             "driver_cpu": driver_cpu,
         }
 

@@ -31,6 +31,9 @@ from kvconductor.index import Index
 from kvconductor.snapshot_store import SnapshotPublisher, read_snapshot
 from kvconductor.snapshots import restore
 
+# The brokers `local_broker` runs, by bootstrap: their pids.
+_local_pids: dict[str, int] = {}
+
 
 @contextlib.contextmanager
 def local_broker() -> Iterator[str]:
@@ -47,10 +50,6 @@ def local_broker() -> Iterator[str]:
         finally:
             _local_pids.pop(bootstrap, None)
             kafka_local.stop(data_dir)
-
-
-# The brokers `local_broker` runs, by bootstrap: their pids.
-_local_pids: dict[str, int] = {}
 
 
 def broker_pid(bootstrap: str) -> int | None:

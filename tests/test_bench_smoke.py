@@ -146,8 +146,6 @@ def test_probes_are_split_by_the_generations_they_waited_through() -> None:
 
 
 def test_a_process_cpu_time_is_read_from_proc() -> None:
-    from bench.measure import process_cpu_s
-
     before = sum(process_cpu_s(os.getpid()))
     deadline = time.process_time() + 0.05
     while time.process_time() < deadline:
