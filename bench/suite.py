@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
+from bench.fixed_answer import fixed_answer_figure
 from bench.http_load import http_figure
 from bench.measure import forked, summary, warm_memory
 from bench.peers import ALL_PEERS, Peer, dynamo_available
@@ -33,6 +34,9 @@ class Options:
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
     curve: tuple[int, ...] = (100_000, 300_000, 1_000_000)
     curve_queries: int = 300
+    # Sizes the smallest curve workload's index is grown to with filler
+    # (figure 6b: the same answers at every size); empty skips it.
+    fixed_curve: tuple[int, ...] = (300_000, 1_000_000, 3_000_000, 10_000_000)
     restore: bool = True
     restore_repeats: int = 3
     http_requests: int = 2000  # per client phase of the HTTP figure; 0 skips it
@@ -60,6 +64,7 @@ class Options:
             lengths=(1024, 8192),
             curve=(50_000, 100_000),
             curve_queries=150,
+            fixed_curve=(100_000, 300_000),
             restore=False,  # the broker alone takes 15-40 s to start: --restore
             restore_repeats=2,
             http_requests=0,  # --http N measures it
@@ -266,11 +271,16 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
     del w
     gc.collect()
     curve = []
-    for size in opts.curve:
+    for i, size in enumerate(sorted(opts.curve)):
         log(f"figure 6: cost curve at {size:,} entries")
         wc = _workload(opts, size, opts.curve_queries)
         sc = scale_figure(wc, peers, opts.curve_queries, 1, opts.naive_queries, log=log)
         curve.append({"entries": wc.stats["entries"], "peers": _curve_view(sc["peers"])})
+        if i == 0 and opts.fixed_curve:
+            log(f"figure 6b: cost curve at a fixed answer, from {wc.stats['entries']:,} entries")
+            result["fixed_answer"] = fixed_answer_figure(
+                wc, peers, opts.fixed_curve, opts.curve_queries, log=log
+            )
         del wc
         gc.collect()
     curve.append(main_point)
@@ -290,5 +300,5 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
 
 
 def _curve_view(peers: dict[str, Any]) -> dict[str, Any]:
-    keep = ("entries", "build_rate", "bytes_per_entry", "latency_us")
+    keep = ("entries", "build_rate", "bytes_per_entry", "latency_us", "answer_size")
     return {name: {k: r[k] for k in keep} for name, r in peers.items()}

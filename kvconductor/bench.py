@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="runs per peer of the apply figure")
     p.add_argument("--queries", type=int, help="queries per round")
     p.add_argument("--curve", type=_sizes, help="cost-curve sizes, e.g. 1e5,3e5,1e6")
+    p.add_argument(
+        "--fixed-curve",
+        type=_sizes,
+        help="sizes the smallest curve index grows to at a fixed answer, e.g. 1e6,1e7",
+    )
+    p.add_argument("--no-fixed-curve", action="store_true", help="skip the fixed-answer curve")
     p.add_argument("--peers", help="comma-separated subset of the peers")
     p.add_argument("--seed", type=int, help="workload seed")
     p.add_argument("--trace", help="a Mooncake trace (JSON lines) instead of the generator")
@@ -69,14 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
-    suite, report = _import_bench()
+def options_from(args: argparse.Namespace, suite: Any) -> Any:
+    """`bench.suite.Options` for the parsed command line."""
     opts = suite.Options.quick() if args.quick else suite.Options()
-    for name in ("entries", "apply_blocks", "repeats", "queries", "curve", "seed", "trace_limit"):
+    for name in (
+        "entries",
+        "apply_blocks",
+        "repeats",
+        "queries",
+        "curve",
+        "fixed_curve",
+        "seed",
+        "trace_limit",
+    ):
         value = getattr(args, name)
         if value is not None:
             setattr(opts, name, value)
+    if args.no_fixed_curve:
+        opts.fixed_curve = ()
     if args.peers:
         opts.peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
     if args.trace:
@@ -94,6 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.http is not None:
         opts.http_requests = args.http
     opts.out = args.out
+    return opts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    suite, report = _import_bench()
+    opts = options_from(args, suite)
     from kvconductor.dead_letter_tool import writing_stdout  # loads aiokafka: not at parse time
 
     def log(line: str) -> None:

@@ -89,6 +89,7 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         lengths=(256, 1024),
         curve=(6_000,),
         curve_queries=10,
+        fixed_curve=(9_000,),
         restore=False,
         http_requests=20,
         e2e=False,
@@ -117,6 +118,15 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         same, compared = agree[name]
         assert same == compared > 0, name
     assert [p["entries"] for p in result["curve"]] == sorted(p["entries"] for p in result["curve"])
+    fixed = result["fixed_answer"]
+    assert fixed["base_entries"] == result["curve"][0]["entries"]
+    assert all(p["identical"] for points in fixed["peers"].values() for p in points)
+    assert fixed["peers"]["kvconductor"][-1]["entries"] >= 9_000
+    assert result["targets"][-1]["figure"].startswith("cost curve")
+    assert result["targets"][-1]["met"] is not None
+    assert all(
+        set(p["answer_size"]) == {"owners", "blocks"} for p in result["scale"]["peers"].values()
+    )
     assert result["restore"]["measured"] is False
     http = result["http"]
     assert http["measured"] is True, http
@@ -125,7 +135,7 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
     assert set(http["concurrent"]) == {"qps", "p50_us", "p99_us"}
     paths = report.write(result, tmp_path / "out")
     md = Path(paths["md"]).read_text()
-    for heading in ("## Targets", "## 1. Apply throughput", "## 6. Cost curve"):
+    for heading in ("## Targets", "## 1. Apply throughput", "## 6. Cost curve", "### 6b."):
         assert heading in md
     assert json.loads(Path(paths["json"]).read_text())["mode"] == "test"
 
@@ -225,3 +235,20 @@ def test_the_benchmarks_own_broker_is_known_by_its_bootstrap() -> None:
         assert "java" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
     assert broker_pid(bootstrap) is None
     assert broker_pid("127.0.0.1:1") is None
+
+
+def test_cli_sizes_reach_the_options() -> None:
+    from bench import suite
+    from kvconductor.bench import build_parser, options_from
+
+    def opts(*argv: str) -> Options:
+        result: Options = options_from(build_parser().parse_args(list(argv)), suite)
+        return result
+
+    assert opts("--curve", "1e5,3e5", "--fixed-curve", "1e6,1e7").fixed_curve == (
+        1_000_000,
+        10_000_000,
+    )
+    assert opts("--curve", "1e5,3e5").curve == (100_000, 300_000)
+    assert opts("--no-fixed-curve").fixed_curve == ()
+    assert opts("--quick").fixed_curve == Options.quick().fixed_curve
