@@ -107,8 +107,8 @@ def timed_rounds(peer: Peer, queries: Sequence[Tokens], rounds: int) -> list[dic
     """Percentiles of `rounds` passes over `queries`, after a warm-up.
 
     Every pass gets new lists: a router's prompt arrives as new objects,
-    and a few hundred 8,192-token lists read again and again stay in the
-    caches (on this box 150 of them went from 55 to 32 us a query at p50
+    and a few hundred 8,192-token lists read again and again got cheaper
+    to read (on this box 150 of them went from 55 to 32 us a query at p50
     over eight passes, where new lists held at 58)."""
     query_latencies(peer, [q.tolist() for q in queries[:50]])
     return [

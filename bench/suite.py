@@ -190,7 +190,7 @@ def _e2e(
 ) -> dict[str, Any]:
     """Figure 4 on the apply figure's records, next to its kvconductor rate."""
     if not opts.e2e:
-        return {"measured": False, "reason": "skipped (--quick)"}
+        return {"measured": False, "reason": "skipped (--no-e2e or --quick)"}
     if bootstrap is None:
         return {"measured": False, "reason": "no broker"}
     if "kvconductor" not in peers:
@@ -265,7 +265,8 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
     if opts.http_requests > 0 and "kvconductor" in peers:
         result["http"] = http_figure(w, opts.http_requests, log)
     else:
-        result["http"] = {"measured": False, "reason": "skipped (--quick without --http N)"}
+        why = "skipped (--http 0, or --quick without --http N)"
+        result["http"] = {"measured": False, "reason": why}
 
     main_point = {"entries": w.stats["entries"], "peers": _curve_view(scale["peers"])}
     del w
