@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from bench import report
+from bench.fixed_answer import CHAIN, Filler, chains_for, fixed_answer_figure, instances_of
 from bench.measure import process_cpu_s
 from bench.peers import dynamo_available
 from bench.restore import broker_pid, local_broker
@@ -72,6 +73,39 @@ def test_mooncake_trace_reader(tmp_path: Path) -> None:
     w = trace_workload(path, _tiny_config(instances=2))
     assert w.stats["requests"] == 3
     assert w.stats["block_events"] > 0
+
+
+def test_filler_continues_each_instances_sequence_on_its_tiers() -> None:
+    w = generate(_tiny_config())
+    owners = {o.key: o for o in instances_of(w)}
+    last = {k: o.seq for k, o in owners.items()}
+    records = list(Filler(w).records(2 * len(owners)))
+    assert {r.key for r in records} == set(owners)
+    for r in records:
+        fields = dict(r.headers)
+        last[r.key] += 1
+        assert int(fields["kv-seq"]) == last[r.key]
+        # Write-through to the host tier on local-mode instances only.
+        local = fields["kv-offload"] == b"local"
+        assert r.blocks == (2 if local else 1) * CHAIN
+
+
+def test_each_size_is_reached_and_every_answer_is_kept() -> None:
+    w = generate(_tiny_config())
+    base = w.stats["entries"]
+    sizes = (base, 2 * base, 5 * base)
+    assert chains_for(w, sizes)[0] == 0
+    peers = ("kvconductor", "dynamo") if dynamo_available() is None else ("kvconductor",)
+    fig = fixed_answer_figure(w, peers, sizes, queries=20, rounds=1, log=lambda _: None)
+    points = fig["peers"]["kvconductor"]
+    assert [p["entries"] for p in points][:2] == [base, base]
+    for size, p in zip(sizes, points[1:], strict=True):
+        assert size <= p["entries"] < size + 2 * CHAIN
+    for name in peers:
+        assert all(p["identical"] for p in fig["peers"][name]), name
+        assert [p["entries"] for p in fig["peers"][name]] == sorted(
+            p["entries"] for p in fig["peers"][name]
+        )
 
 
 def test_tiny_run_report_shape(tmp_path: Path) -> None:
