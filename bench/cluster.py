@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -151,6 +152,35 @@ def stored_event(
     }
 
 
+def engine_record(
+    key: bytes,
+    headers: list[tuple[str, bytes]],
+    seq: int,
+    events: list[dict[str, object]],
+    ts: float,
+    blocks: int,
+) -> Record:
+    """One engine-topic record: the instance's headers and its `kv-seq`."""
+    headers = [*headers, ("kv-seq", str(seq).encode())]
+    return Record(False, key, headers, _mp([ts, events, 0]), ts, blocks)
+
+
+def dynamo_stored(event_id: int, parent: int | None, blocks: Iterable[tuple[int, int]]) -> bytes:
+    """Dynamo's JSON for a stored run: blocks as (block hash, tokens hash)."""
+    return _js(
+        {
+            "event_id": event_id,
+            "data": {
+                "stored": {
+                    "parent_hash": parent,
+                    "blocks": [{"block_hash": b, "tokens_hash": t} for b, t in blocks],
+                }
+            },
+            "dp_rank": 0,
+        }
+    )
+
+
 def _removed_event(seqs: list[int], medium: str) -> dict[str, object]:
     return {"type": "BlockRemoved", "block_hashes": seqs, "medium": medium, "group_idx": 0}
 
@@ -272,9 +302,8 @@ class Cluster:
             pool_record = None
         if events:
             inst.seq += 1
-            headers = [*inst.headers, ("kv-seq", str(inst.seq).encode())]
             self.streams.records.append(
-                Record(False, inst.key, headers, _mp([ts, events, 0]), ts, nblocks)
+                engine_record(inst.key, inst.headers, inst.seq, events, ts, nblocks)
             )
         if pool_record is not None:
             self.streams.records.append(pool_record)
@@ -332,14 +361,7 @@ class Cluster:
 
     def _dynamo_stored(self, parent: int | None, run: list[Block]) -> bytes:
         self.dynamo_event_id += 1
-        blocks = [{"block_hash": b[0], "tokens_hash": b[1]} for b in run]
-        return _js(
-            {
-                "event_id": self.dynamo_event_id,
-                "data": {"stored": {"parent_hash": parent, "blocks": blocks}},
-                "dp_rank": 0,
-            }
-        )
+        return dynamo_stored(self.dynamo_event_id, parent, ((b[0], b[1]) for b in run))
 
     def _dynamo_removed(self, seqs: list[int]) -> bytes:
         self.dynamo_event_id += 1

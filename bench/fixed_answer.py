@@ -2,17 +2,19 @@
 
 The workload's curve (figure 6) grows the fleet and the prefixes it holds
 with the index: at 10^5 entries three instances hold short prefixes, at
-4.3M 128 instances hold deep ones, so an answer lists 40x the owners and
+4.3M 122 instances hold deep ones, so an answer lists 40x the owners and
 its walk goes deeper. That is the answer growing, not the index. This
-figure holds the answer still: the smallest curve workload is built once,
-then filler joins it on the same instances (conversations nobody asks
-about: fresh chains on the device tier, written through to the host tier
-on local-mode instances) until the index holds each size in turn. At
-every size the same prompts are timed, and their answers must equal the
-base's; what is left to grow is how far the walk's probes are from the
-caches.
+figure holds the answer still: a workload's index is built once, then
+filler joins it on the same instances (conversations nobody asks about:
+fresh chains on the device tier, written through to the host tier on
+local-mode instances) until the index holds each size in turn. At every
+size the same prompts are timed, and their answers must equal the
+first size's; what is left to grow is how far the walk's probes are from
+the caches. The suite runs it from the smallest curve workload (a few
+instances, 100x the entries) and from the full one (its whole fleet).
 
-Dynamo's tree gets the same filler chains on its device tier.
+Dynamo's tree gets the same chains on its device tier: the same engine
+hashes, and the local hashes of the same tokens.
 """
 
 from __future__ import annotations
@@ -20,23 +22,29 @@ from __future__ import annotations
 import gc
 import random
 from array import array
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
+from typing import Any, TypeVar
 
-import msgspec
+import xxhash
 
-from bench.cluster import Record, stored_event
+from bench.cluster import Record, dynamo_stored, engine_record, stored_event
 from bench.measure import forked, summary
-from bench.peers import Peer, make_peer, peer_items
-from bench.runners import sync, timed_rounds
+from bench.peers import KvconductorPeer, Peer, make_peer, peer_items
+from bench.report import cpu_probe_ms
+from bench.runners import device_answers, sync, timed_rounds
 from bench.workload import Tokens, Workload
+from kvconductor.hashing import BASE_SEED
 
 # Blocks per filler chain: a long conversation's context (4,096 tokens).
 CHAIN = 256
+# Filler records applied at a time: ten million entries' worth would hold
+# about 400 MB of payloads at once.
+FILL_BATCH = 256
 PEERS = ("kvconductor", "dynamo")
 
-_mp = msgspec.msgpack.encode
-_js = msgspec.json.encode
+_xxh3 = xxhash.xxh3_64_intdigest
+T = TypeVar("T")
 
 
 class FilledInstance:
@@ -81,60 +89,84 @@ def chains_for(w: Workload, sizes: Sequence[int]) -> list[int]:
 
 
 class Filler:
-    """Deterministic filler chains, chain `k` on owner `k % owners`: the
-    same blocks for every peer, each chain's tokens fresh in its first block
-    (so its identities are new all the way down) and shared after it."""
+    """Deterministic filler chains, chain `k` on owner `k % owners`: each
+    chain's first block has tokens of its own (so its identities are new
+    all the way down), the blocks after it share theirs."""
 
     def __init__(self, w: Workload) -> None:
         self.owners = instances_of(w)
         self.bs = w.config.block_size
-        self.rng = random.Random(w.config.seed ^ 0xF111E5)
-        self.tail = [self.rng.randrange(w.config.vocab) for _ in range((CHAIN - 1) * self.bs)]
         self.vocab = w.config.vocab
+        self.rng = random.Random(w.config.seed ^ 0xF111E5)
+        tail = array("I", (self.rng.randrange(self.vocab) for _ in range((CHAIN - 1) * self.bs)))
+        self.tail = tail.tolist()
+        step = self.bs * tail.itemsize
+        data = tail.tobytes()
+        self.tail_locals = [_xxh3(data[i : i + step], BASE_SEED) for i in range(0, len(data), step)]
+        self.ts = max((r.ts for r in w.streams.records), default=0.0)
         self.made = 0
         self.dynamo_event = 1 << 40  # clear of the workload's event ids
+        # The last chain made, (worker, its first block's tokens).
+        self.last: tuple[int, Tokens] | None = None
 
-    def _chain(self) -> tuple[FilledInstance, list[int], list[int]]:
+    def _chain(self) -> tuple[FilledInstance, list[int], Tokens]:
         owner = self.owners[self.made % len(self.owners)]
         self.made += 1
         rng = self.rng
         seqs = array("Q", rng.randbytes(8 * CHAIN)).tolist()
-        head = [rng.randrange(self.vocab) for _ in range(self.bs)]
-        return owner, seqs, head + self.tail
+        head = array("I", (rng.randrange(self.vocab) for _ in range(self.bs)))
+        self.last = (owner.worker, head)
+        return owner, seqs, head
+
+    def last_chain(self) -> tuple[int, list[int]] | None:
+        """The last chain's worker and tokens: a query for them must find it."""
+        if self.last is None:
+            return None
+        worker, head = self.last
+        return worker, head.tolist() + self.tail
 
     def records(self, chains: int) -> Iterator[Record]:
         """kvconductor's records: a device store, written through to the
         host tier on local-mode instances."""
         for _ in range(chains):
-            owner, seqs, tokens = self._chain()
+            owner, seqs, head = self._chain()
+            tokens = head.tolist() + self.tail
             events = [stored_event(seqs, None, tokens, "GPU", self.bs)]
             if owner.local:
                 events.append(stored_event(seqs, None, [], "CPU", self.bs))
             owner.seq += 1
-            headers = [*owner.headers, ("kv-seq", str(owner.seq).encode())]
-            yield Record(False, owner.key, headers, _mp([0.0, events, 0]), 0.0, len(events) * CHAIN)
+            yield engine_record(
+                owner.key, owner.headers, owner.seq, events, self.ts, len(events) * CHAIN
+            )
 
     def dynamo(self, chains: int) -> Iterator[tuple[int, bytes, int]]:
-        """Dynamo's events for the same chains' device stores; its blocks are
-        named by the engine's hashes and local hashes no prompt has."""
+        """Dynamo's events for the same chains' device stores."""
         for _ in range(chains):
-            owner, seqs, _ = self._chain()
-            locals_ = array("Q", self.rng.randbytes(8 * CHAIN)).tolist()
+            owner, seqs, head = self._chain()
+            locals_ = [_xxh3(head.tobytes(), BASE_SEED), *self.tail_locals]
             self.dynamo_event += 1
-            pairs = zip(seqs, locals_, strict=True)
-            blocks = [{"block_hash": s, "tokens_hash": t} for s, t in pairs]
-            event = {
-                "event_id": self.dynamo_event,
-                "data": {"stored": {"parent_hash": None, "blocks": blocks}},
-                "dp_rank": 0,
-            }
-            yield owner.worker, _js(event), CHAIN
+            payload = dynamo_stored(self.dynamo_event, None, zip(seqs, locals_, strict=True))
+            yield owner.worker, payload, CHAIN
+
+
+def _batches(items: Iterable[T], n: int) -> Iterator[list[T]]:
+    it = iter(items)
+    while batch := list(islice(it, n)):
+        yield batch
+
+
+def _refused(peer: Peer) -> int:
+    """Events the peer skipped or refused so far: filler must cause none."""
+    if isinstance(peer, KvconductorPeer):
+        return sum(peer.conductor.counters.values())
+    errors: int = getattr(peer, "errors", 0)
+    return errors
 
 
 def _answers(peer: Peer, prompts: Sequence[Tokens]) -> list[Any]:
-    if peer.name == "kvconductor":
+    if isinstance(peer, KvconductorPeer):
         return [peer.query(p.tolist()) for p in prompts]
-    return [sorted(peer.gpu_blocks(peer.query(p.tolist())).items()) for p in prompts]
+    return device_answers(peer, prompts)
 
 
 def _child(
@@ -142,29 +174,38 @@ def _child(
 ) -> list[dict[str, Any]]:
     peer = make_peer(name, w)
     peer.apply(peer_items(peer, w))
-    sync(peer)
-    gc.collect()
-    gc.freeze()
     prompts = w.queries[:queries]
-    base = _answers(peer, prompts)
     filler = Filler(w)
+    fill = filler.records if isinstance(peer, KvconductorPeer) else filler.dynamo
     device = w.stats["entries_by_tier"]["GPU"]
+    base: list[Any] | None = None
     points = []
     for chains in (0, *steps):
-        if name == "kvconductor":
-            peer.apply(list(filler.records(chains)))
-        else:
-            peer.apply(list(filler.dynamo(chains)))
-            device += chains * CHAIN
+        refused = _refused(peer)
+        for batch in _batches(fill(chains), FILL_BATCH):
+            peer.apply(batch)
         sync(peer)
+        device += chains * CHAIN
         gc.collect()
+        gc.freeze()
+        # Every size gets the same passes before it is timed: one over all
+        # the prompts (their answers), then the warm-up and the rounds.
+        answers = _answers(peer, prompts)
+        base = answers if base is None else base
+        found = None
+        if (last := filler.last_chain()) is not None:
+            worker, tokens = last
+            found = peer.gpu_blocks(peer.query(tokens)).get(worker) == CHAIN
+        probe = cpu_probe_ms()
         per_round = timed_rounds(peer, prompts, rounds)
-        entries = peer.entries() if hasattr(peer, "entries") else device
         points.append(
             {
-                "entries": entries,
+                "entries": peer.entries() if isinstance(peer, KvconductorPeer) else device,
                 "latency_us": {k: summary([x[k] for x in per_round]) for k in ("p50", "p99")},
-                "identical": _answers(peer, prompts) == base,
+                "identical": answers == base,
+                "filler_found": found,
+                "refused": _refused(peer) - refused,
+                "cpu_probe_ms": probe,
             }
         )
     return points
@@ -175,11 +216,14 @@ def fixed_answer_figure(
     peers: Sequence[str],
     sizes: Sequence[int],
     queries: int,
-    rounds: int = 3,
+    rounds: int,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Query latency of `w`'s prompts as filler grows its index to `sizes`
-    (kvconductor entries), each peer in a forked child of its own."""
+    """Query latency of `w`'s prompts as filler grows its index to each of
+    `sizes` (kvconductor entries) above it, each peer in a forked child of
+    its own. Each point's `at_entries` is kvconductor's size at that step,
+    so that the peers' points line up."""
+    sizes = sorted(s for s in sizes if s > w.stats["entries"])
     steps = chains_for(w, sizes)
     out: dict[str, Any] = {
         "base_entries": w.stats["entries"],
@@ -193,9 +237,14 @@ def fixed_answer_figure(
         out["peers"][name] = points
         for p in points:
             lat = p["latency_us"]
+            ok = p["identical"] and p["filler_found"] is not False and not p["refused"]
             log(
                 f"  fixed answer {name}: {p['entries']:,} entries, query p50 "
                 f"{lat['p50']['median']:.0f} us p99 {lat['p99']['median']:.0f} us, "
-                f"answers {'identical' if p['identical'] else 'DIFFERENT'}"
+                f"{'answers kept, filler in place' if ok else 'FILLER OR ANSWERS WRONG'}"
             )
+    kvc = out["peers"].get("kvconductor")
+    for points in out["peers"].values():
+        for i, p in enumerate(points):
+            p["at_entries"] = kvc[i]["entries"] if kvc else p["entries"]
     return out

@@ -11,9 +11,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvconductor.termui import ToolError, fail
+
+if TYPE_CHECKING:
+    from bench.suite import Options
 
 PROG = "kvconductor bench"
 
@@ -51,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="runs per peer of the apply figure")
     p.add_argument("--queries", type=int, help="queries per round")
     p.add_argument("--curve", type=_sizes, help="cost-curve sizes, e.g. 1e5,3e5,1e6")
-    p.add_argument(
+    fixed = p.add_mutually_exclusive_group()
+    fixed.add_argument(
         "--fixed-curve",
         type=_sizes,
-        help="sizes the smallest curve index grows to at a fixed answer, e.g. 1e6,1e7",
+        help="sizes the curve's smallest and the full index grow to at a fixed answer, "
+        "e.g. 1e6,1e7",
     )
-    p.add_argument("--no-fixed-curve", action="store_true", help="skip the fixed-answer curve")
+    fixed.add_argument("--no-fixed-curve", action="store_true", help="skip the fixed-answer curve")
     p.add_argument("--peers", help="comma-separated subset of the peers")
     p.add_argument("--seed", type=int, help="workload seed")
     p.add_argument("--trace", help="a Mooncake trace (JSON lines) instead of the generator")
@@ -75,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def options_from(args: argparse.Namespace, suite: Any) -> Any:
+def options_from(args: argparse.Namespace, suite: Any) -> Options:
     """`bench.suite.Options` for the parsed command line."""
-    opts = suite.Options.quick() if args.quick else suite.Options()
+    opts: Options = suite.Options.quick() if args.quick else suite.Options()
     for name in (
         "entries",
         "apply_blocks",

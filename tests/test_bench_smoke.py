@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from array import array
 from pathlib import Path
 
 import msgspec
 import pytest
+import xxhash
 
 from bench import report
 from bench.fixed_answer import CHAIN, Filler, chains_for, fixed_answer_figure, instances_of
@@ -23,6 +25,7 @@ from bench.trace import trace_workload
 from bench.workload import WorkloadConfig, generate
 from consumers.engine_wire import decode_engine_payload
 from consumers.pool_wire import decode_pool_payload
+from kvconductor.hashing import BASE_SEED
 
 TINY = 12_000
 
@@ -90,7 +93,24 @@ def test_filler_continues_each_instances_sequence_on_its_tiers() -> None:
         assert r.blocks == (2 if local else 1) * CHAIN
 
 
-def test_each_size_is_reached_and_every_answer_is_kept() -> None:
+def test_dynamo_gets_the_same_chains_as_kvconductor() -> None:
+    w = generate(_tiny_config())
+    records = list(Filler(w).records(3))
+    events = list(Filler(w).dynamo(3))
+    for r, (worker, payload, blocks) in zip(records, events, strict=True):
+        assert r.key == f"vllm-{worker}".encode() and blocks == CHAIN
+        stored = msgspec.msgpack.decode(r.payload)[1][0]
+        dyn = msgspec.json.decode(payload)["data"]["stored"]["blocks"]
+        assert [b["block_hash"] for b in dyn] == stored["block_hashes"]
+        tokens = array("I", stored["token_ids"]).tobytes()
+        step = 4 * w.config.block_size
+        assert [b["tokens_hash"] for b in dyn] == [
+            xxhash.xxh3_64_intdigest(tokens[i : i + step], BASE_SEED)
+            for i in range(0, len(tokens), step)
+        ]
+
+
+def test_each_size_is_reached_with_every_answer_kept() -> None:
     w = generate(_tiny_config())
     base = w.stats["entries"]
     sizes = (base, 2 * base, 5 * base)
@@ -98,14 +118,14 @@ def test_each_size_is_reached_and_every_answer_is_kept() -> None:
     peers = ("kvconductor", "dynamo") if dynamo_available() is None else ("kvconductor",)
     fig = fixed_answer_figure(w, peers, sizes, queries=20, rounds=1, log=lambda _: None)
     points = fig["peers"]["kvconductor"]
-    assert [p["entries"] for p in points][:2] == [base, base]
-    for size, p in zip(sizes, points[1:], strict=True):
+    assert points[0]["entries"] == base  # sizes not above the base are left out
+    for size, p in zip(sizes[1:], points[1:], strict=True):
         assert size <= p["entries"] < size + 2 * CHAIN
     for name in peers:
-        assert all(p["identical"] for p in fig["peers"][name]), name
-        assert [p["entries"] for p in fig["peers"][name]] == sorted(
-            p["entries"] for p in fig["peers"][name]
-        )
+        got = fig["peers"][name]
+        assert [p["at_entries"] for p in got] == [p["entries"] for p in points]
+        assert all(p["identical"] and not p["refused"] for p in got), name
+        assert [p["filler_found"] for p in got] == [None, True, True], name
 
 
 def test_tiny_run_report_shape(tmp_path: Path) -> None:
@@ -123,7 +143,7 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         lengths=(256, 1024),
         curve=(6_000,),
         curve_queries=10,
-        fixed_curve=(9_000,),
+        fixed_curve=(9_000, 24_000),
         restore=False,
         http_requests=20,
         e2e=False,
@@ -152,10 +172,16 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         same, compared = agree[name]
         assert same == compared > 0, name
     assert [p["entries"] for p in result["curve"]] == sorted(p["entries"] for p in result["curve"])
-    fixed = result["fixed_answer"]
-    assert fixed["base_entries"] == result["curve"][0]["entries"]
-    assert all(p["identical"] for points in fixed["peers"].values() for p in points)
-    assert fixed["peers"]["kvconductor"][-1]["entries"] >= 9_000
+    # From the smallest curve workload and from the full one, each to the
+    # sizes above it.
+    small, full = result["fixed_answer"]
+    assert small["base_entries"] == result["curve"][0]["entries"]
+    assert full["base_entries"] == result["workload"]["stats"]["entries"]
+    assert len(small["peers"]["kvconductor"]) == 3 and len(full["peers"]["kvconductor"]) == 2
+    for series in (small, full):
+        for points in series["peers"].values():
+            assert all(p["identical"] and p["filler_found"] is not False for p in points)
+        assert series["peers"]["kvconductor"][-1]["entries"] >= 24_000
     assert result["targets"][-1]["figure"].startswith("cost curve")
     assert result["targets"][-1]["met"] is not None
     assert all(
