@@ -593,7 +593,7 @@ def chart(result: dict[str, Any], path: Path) -> bool:
     curve = result.get("curve") or []
     if not curve:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 6.0))
     peers: list[str] = []
     for point in curve:
         for peer in point["peers"]:
@@ -630,8 +630,9 @@ def chart(result: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.grid(True, which="both", linewidth=0.3)
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
+    # Below the plots: a dozen lines' legend inside one hides some of them.
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
