@@ -237,6 +237,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
         naive_queries=20,
         lengths=(1024,),
         curve=(),
+        fixed_curve=(),
         restore_repeats=1,
         http_requests=0,
         e2e_repeats=1,
