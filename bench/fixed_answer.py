@@ -31,7 +31,7 @@ import xxhash
 from bench.cluster import Record, dynamo_stored, engine_record, stored_event
 from bench.measure import forked, summary
 from bench.peers import KvconductorPeer, Peer, make_peer, peer_items
-from bench.report import cpu_probe_ms
+from bench.report import cpu_probe_ms, fixed_ok
 from bench.runners import device_answers, sync, timed_rounds
 from bench.workload import Tokens, Workload
 from kvconductor.hashing import BASE_SEED
@@ -177,7 +177,6 @@ def _child(
     prompts = w.queries[:queries]
     filler = Filler(w)
     fill = filler.records if isinstance(peer, KvconductorPeer) else filler.dynamo
-    device = w.stats["entries_by_tier"]["GPU"]
     base: list[Any] | None = None
     points = []
     for chains in (0, *steps):
@@ -185,7 +184,6 @@ def _child(
         for batch in _batches(fill(chains), FILL_BATCH):
             peer.apply(batch)
         sync(peer)
-        device += chains * CHAIN
         gc.collect()
         gc.freeze()
         # Every size gets the same passes before it is timed: one over all
@@ -200,7 +198,10 @@ def _child(
         per_round = timed_rounds(peer, prompts, rounds)
         points.append(
             {
-                "entries": peer.entries() if isinstance(peer, KvconductorPeer) else device,
+                # Dynamo's: its device tier and every filler chain (none refused).
+                "entries": peer.entries()
+                if isinstance(peer, KvconductorPeer)
+                else w.stats["entries_by_tier"]["GPU"] + filler.made * CHAIN,
                 "latency_us": {k: summary([x[k] for x in per_round]) for k in ("p50", "p99")},
                 "identical": answers == base,
                 "filler_found": found,
@@ -237,11 +238,10 @@ def fixed_answer_figure(
         out["peers"][name] = points
         for p in points:
             lat = p["latency_us"]
-            ok = p["identical"] and p["filler_found"] is not False and not p["refused"]
             log(
                 f"  fixed answer {name}: {p['entries']:,} entries, query p50 "
                 f"{lat['p50']['median']:.0f} us p99 {lat['p99']['median']:.0f} us, "
-                f"{'answers kept, filler in place' if ok else 'FILLER OR ANSWERS WRONG'}"
+                f"{'answers kept, filler in place' if fixed_ok([p]) else 'FILLER OR ANSWERS WRONG'}"
             )
     kvc = out["peers"].get("kvconductor")
     for points in out["peers"].values():

@@ -209,7 +209,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _fixed_ok(points: list[dict[str, Any]]) -> bool:
+def fixed_ok(points: list[dict[str, Any]]) -> bool:
     """Every answer kept, every filler chain found, nothing refused."""
     return all(
         p["identical"] and p["filler_found"] is not False and not p["refused"] for p in points
@@ -228,7 +228,7 @@ def _curve_target(series: list[dict[str, Any]] | None) -> dict[str, Any]:
         first, last = s["peers"]["kvconductor"][0], s["peers"]["kvconductor"][-1]
         p50 = (first["latency_us"]["p50"]["median"], last["latency_us"]["p50"]["median"])
         growth = p50[1] / p50[0]
-        met = met and _fixed_ok(s["peers"]["kvconductor"]) and growth < TARGET_CURVE_GROWTH
+        met = met and fixed_ok(s["peers"]["kvconductor"]) and growth < TARGET_CURVE_GROWTH
         parts.append(
             f"{growth:.2f}x ({p50[0]:.0f} -> {p50[1]:.0f} us, {first['entries']:,} -> "
             f"{last['entries']:,} entries, {s['instances']} instances)"
@@ -544,9 +544,6 @@ def _by_length_table(peers: dict[str, Any]) -> list[str]:
     return out
 
 
-# --------------------------------------------------------------------- chart
-
-
 def _fixed_answer_lines(series: list[dict[str, Any]] | None) -> list[str]:
     if not series:
         return []
@@ -576,10 +573,13 @@ def _fixed_answer_lines(series: list[dict[str, Any]] | None) -> list[str]:
                 own = "" if p["entries"] == p["at_entries"] else f" ({p['entries']:,})"
                 lines.append(
                     f"| {peer} | {p['at_entries']:,}{own} | {_n(lat['p50']['median'])} | "
-                    f"{_n(lat['p99']['median'])} | {'yes' if _fixed_ok([p]) else '**no**'} | "
+                    f"{_n(lat['p99']['median'])} | {'yes' if fixed_ok([p]) else '**no**'} | "
                     f"{p['cpu_probe_ms']:.1f} |"
                 )
     return lines
+
+
+# --------------------------------------------------------------------- chart
 
 
 def chart(result: dict[str, Any], path: Path) -> bool:
