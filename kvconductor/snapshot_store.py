@@ -165,7 +165,7 @@ class SnapshotPublisher:
             for key, unit in final:
                 # Records apply between steps again: the identities are the
                 # cut's whatever they change (`BlockStore.begin_cut`).
-                copy.encode(key, await copy.complete(unit))
+                await copy.encode(key, await copy.complete(unit))
             copy.end_cut()
             stats = await self._send(copy, started)
         except BaseException:
@@ -385,7 +385,7 @@ class _Copy:
                 spent += time.perf_counter() - held
                 self._held(held)
             for key, unit in exported:
-                self.encode(key, unit)
+                await self.encode(key, unit)
                 await self.turn()
         return spent
 
@@ -429,17 +429,24 @@ class _Copy:
     def _held(self, since: float) -> None:
         self.hold_s = max(self.hold_s, time.perf_counter() - since)
 
-    def encode(self, key: UnitKey, unit: Unit | None) -> None:
-        """The unit's records, ready to send (a later export replaces them)."""
+    async def encode(self, key: UnitKey, unit: Unit | None) -> None:
+        """The unit's records, ready to send (a later export replaces them),
+        with a turn after each chunk: the largest units at 4.3M entries
+        took 13-29 ms in one step, which records waited out."""
         if unit is None:
             self.records[key] = []
             return
-        data = encode_unit(unit)
-        parts = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
-        self.records[key] = [
-            msgspec.msgpack.encode(UnitValue(SCHEMA_VERSION, self.generation, c, len(parts), part))
-            for c, part in enumerate(parts)
-        ]
+        data = memoryview(encode_unit(unit))  # chunks are views: one copy less
+        chunks = max(1, -(-len(data) // CHUNK_BYTES))
+        records = []
+        for c in range(chunks):
+            part = data[c * CHUNK_BYTES : (c + 1) * CHUNK_BYTES]
+            # msgspec writes any buffer as bin: the view encodes as bytes would.
+            value = UnitValue(SCHEMA_VERSION, self.generation, c, chunks, part)  # type: ignore[arg-type]
+            records.append(msgspec.msgpack.encode(value))
+            if c + 1 < chunks:
+                await self.turn()
+        self.records[key] = records
 
     def end_cut(self) -> None:
         """Close the cuts `_final` opened (once)."""
