@@ -126,8 +126,14 @@ class BlockStore(Protocol):
     def export_owner(self, slot: int, tier: int) -> tuple[bytes, bytes]:
         """(seqs, identities), packed."""
 
-    def export_owner_seqs(self, slot: int, tier: int) -> bytes:
-        """`export_owner`'s seqs alone (their identities: `cut_identities`)."""
+    def freeze_owner(self, slot: int) -> None:
+        """At an open cut: `cut_owner_seqs` reads the owner's tiers as they
+        are now, whatever changes them (or drops the owner) before; the
+        first change of a tier keeps a copy of its hashes."""
+
+    def cut_owner_seqs(self, slot: int, tier: int) -> bytes:
+        """A frozen tier's hashes at its freeze, packed, once (their
+        identities: `cut_identities`)."""
 
     def load_owner(self, slot: int, tier: int, seqs: bytes, idents: bytes) -> None:
         """Bulk-load a snapshot's tier into an empty owner tier."""
@@ -156,7 +162,10 @@ class BlockStore(Protocol):
 
     def export_pool(self, pid: int) -> tuple[bytes, bytes]: ...
 
-    def export_pool_seqs(self, pid: int) -> bytes: ...
+    def freeze_pool(self, pid: int) -> None:
+        """`freeze_owner` for a pool store."""
+
+    def cut_pool_seqs(self, pid: int) -> bytes: ...
 
     def load_pool(self, pid: int, seqs: bytes, idents: bytes) -> None: ...
 
@@ -213,6 +222,11 @@ class PyBlockStore:
         # While a cut is open: what the catalog forgot since, with its identity.
         self.forgotten: dict[int, int] | None = None
         self.cuts = 0
+        # Frozen at the open cut, not read yet; and kept, once changed.
+        self.frozen_tiers: set[tuple[int, int]] = set()
+        self.frozen_pools: set[int] = set()
+        self.kept_tiers: dict[tuple[int, int], bytes] = {}
+        self.kept_pools: dict[int, bytes] = {}
 
     # --------------------------------------------------------- catalog
 
@@ -324,6 +338,61 @@ class PyBlockStore:
         self.cuts -= 1
         if not self.cuts:
             self.forgotten = None
+            self.frozen_tiers.clear()
+            self.frozen_pools.clear()
+            self.kept_tiers.clear()
+            self.kept_pools.clear()
+
+    def _cut_open(self) -> None:
+        if not self.cuts:
+            raise AssertionError("no cut is open")
+
+    def freeze_owner(self, slot: int) -> None:
+        self._cut_open()
+        if slot not in self.owners:
+            raise KeyError(slot)
+        for tier in (DEVICE, HOST, DISK):
+            self.kept_tiers.pop((slot, tier), None)
+            self.frozen_tiers.add((slot, tier))
+
+    def cut_owner_seqs(self, slot: int, tier: int) -> bytes:
+        kept = self.kept_tiers.pop((slot, tier), None)
+        if kept is not None:
+            return kept
+        if (slot, tier) not in self.frozen_tiers:
+            raise AssertionError("owner tier not frozen at this cut")
+        self.frozen_tiers.discard((slot, tier))
+        return pack_u64(list(self.owners[slot].tiers[tier]))
+
+    def freeze_pool(self, pid: int) -> None:
+        self._cut_open()
+        if pid not in self.pools:
+            raise KeyError(pid)
+        self.kept_pools.pop(pid, None)
+        self.frozen_pools.add(pid)
+
+    def cut_pool_seqs(self, pid: int) -> bytes:
+        kept = self.kept_pools.pop(pid, None)
+        if kept is not None:
+            return kept
+        if pid not in self.frozen_pools:
+            raise AssertionError("pool not frozen at this cut")
+        self.frozen_pools.discard(pid)
+        return pack_u64(list(self.pools[pid].blocks))
+
+    def _keep_tier(self, slot: int, tier: int) -> None:
+        """Before an owner's tier changes or goes."""
+        frozen = self.frozen_tiers
+        if frozen and (slot, tier) in frozen:
+            frozen.discard((slot, tier))
+            self.kept_tiers[(slot, tier)] = pack_u64(list(self.owners[slot].tiers[tier]))
+
+    def _keep_pool(self, pid: int) -> None:
+        """Before a pool store's blocks change or go."""
+        frozen = self.frozen_pools
+        if frozen and pid in frozen:
+            frozen.discard(pid)
+            self.kept_pools[pid] = pack_u64(list(self.pools[pid].blocks))
 
     def cut_identities(self, seqs: bytes) -> bytes:
         kept = self.forgotten
@@ -344,6 +413,8 @@ class PyBlockStore:
         self.owners[slot] = _Owner(slot)
 
     def drop_owner(self, slot: int) -> None:
+        for tier in (DEVICE, HOST, DISK):
+            self._keep_tier(slot, tier)
         del self.owners[slot]
 
     def owner_size(self, slot: int) -> int:
@@ -360,6 +431,7 @@ class PyBlockStore:
     def place_owner(
         self, slot: int, tier: int, seqs: Sequence[int], idents: Sequence[int] | None, room: int
     ) -> Placed:
+        self._keep_tier(slot, tier)
         owner = self.owners[slot]
 
         def place(seqs: Sequence[int], idents: Sequence[int] | None) -> tuple[int, int, int]:
@@ -429,6 +501,7 @@ class PyBlockStore:
         return placed, dropped, conflicts
 
     def remove_owner(self, slot: int, tier: int, seqs: Sequence[int]) -> list[int]:
+        self._keep_tier(slot, tier)
         owner = self.owners[slot]
         return [seq for seq in seqs if not self._unplace_owner(owner, tier, seq)]
 
@@ -460,6 +533,7 @@ class PyBlockStore:
         # at the retired bound, and a hash set (the compiled store) has no
         # other order to keep.
         for tier in (DEVICE, HOST, DISK):
+            self._keep_tier(slot, tier)
             for seq in sorted(owner.tiers[tier]):
                 self._unplace_owner(owner, tier, seq)
                 removed += 1
@@ -469,10 +543,8 @@ class PyBlockStore:
         t = self.owners[slot].tiers[tier]
         return pack_u64(list(t.keys())), pack_u64(list(t.values()))
 
-    def export_owner_seqs(self, slot: int, tier: int) -> bytes:
-        return pack_u64(list(self.owners[slot].tiers[tier]))
-
     def load_owner(self, slot: int, tier: int, seqs: bytes, idents: bytes) -> None:
+        self._keep_tier(slot, tier)
         owner = self.owners[slot]
         s, i = unpack_u64(seqs), unpack_u64(idents)
         if len(s) != len(i):
@@ -486,6 +558,7 @@ class PyBlockStore:
         self.pools[pid] = _Pool(tier)
 
     def drop_pool(self, pid: int) -> None:
+        self._keep_pool(pid)
         del self.pools[pid]
 
     def pool_len(self, pid: int) -> int:
@@ -499,6 +572,7 @@ class PyBlockStore:
         room: int,
         placed_out: list[int] | None,
     ) -> Placed:
+        self._keep_pool(pid)
         store = self.pools[pid]
 
         def place(seqs: Sequence[int], idents: Sequence[int] | None) -> tuple[int, int, int]:
@@ -535,6 +609,7 @@ class PyBlockStore:
         return placed, dropped, conflicts
 
     def remove_pool(self, pid: int, seq: int) -> bool:
+        self._keep_pool(pid)
         store = self.pools[pid]
         ident = store.blocks.pop(seq, None)
         if ident is None:
@@ -558,10 +633,8 @@ class PyBlockStore:
         b = self.pools[pid].blocks
         return pack_u64(list(b.keys())), pack_u64(list(b.values()))
 
-    def export_pool_seqs(self, pid: int) -> bytes:
-        return pack_u64(list(self.pools[pid].blocks))
-
     def load_pool(self, pid: int, seqs: bytes, idents: bytes) -> None:
+        self._keep_pool(pid)
         store = self.pools[pid]
         s, i = unpack_u64(seqs), unpack_u64(idents)
         if len(s) != len(i):

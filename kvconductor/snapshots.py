@@ -195,8 +195,8 @@ def export_owner(
     ns, owner = found
     store = ns.store
     if at_cut:
-        seqs = [store.export_owner_seqs(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
-        return CutUnit(store, OwnerUnit(instance, rank, seqs, []))
+        store.freeze_owner(owner.slot)
+        return CutUnit(store, OwnerUnit(instance, rank, [], []), owner.slot)
     tiers = [store.export_owner(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
     return OwnerUnit(instance, rank, [t[0] for t in tiers], [t[1] for t in tiers])
 
@@ -210,20 +210,23 @@ def export_pool(
     ns, pool = found
     store = ns.store
     if at_cut:
-        unit = PoolUnit(backend, medium, pool.tier, store.export_pool_seqs(pool.pid), b"")
-        return CutUnit(store, unit)
+        store.freeze_pool(pool.pid)
+        return CutUnit(store, PoolUnit(backend, medium, pool.tier, b"", b""), pool.pid)
     seqs, idents = store.export_pool(pool.pid)
     return PoolUnit(backend, medium, pool.tier, seqs, idents)
 
 
 class CutUnit(NamedTuple):
-    """An owner or pool unit exported at a cut with its hashes only: reading
-    each block's identity is a random lookup in the namespace's catalog
-    (most of an export), so `completing` does it after the cut, from the
-    store's cut (`BlockStore.begin_cut`), while records apply again."""
+    """An owner or pool unit frozen at a cut, its blocks not read yet:
+    `completing` reads its hashes and their identities (a random lookup in
+    the namespace's catalog each) after the cut, while records apply again,
+    from what the store kept as it was at the cut (`BlockStore.begin_cut`,
+    `freeze_owner`). At 4.3M entries reading the hashes at the cut held
+    records for 12-60 ms a generation."""
 
     store: BlockStore
-    unit: OwnerUnit | PoolUnit
+    unit: OwnerUnit | PoolUnit  # without blocks
+    at: int  # the owner's slot or the pool's id
 
 
 def export_unit_at_cut(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit | CutUnit | None]:
@@ -233,13 +236,13 @@ def export_unit_at_cut(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit
 
 
 def completing(unit: Unit | CutUnit | None) -> Generator[None, None, Unit | None]:
-    """A unit exported at a cut, with the identities its blocks had there,
-    read `CUT_PIECE_BYTES` of packed hashes a step: a pool unit of 265k
-    blocks took 20 ms in one piece, which records waited out. Returns the
-    unit."""
+    """A unit exported at a cut, with the blocks and identities it had
+    there, the identities read `CUT_PIECE_BYTES` of packed hashes a step: a
+    pool unit of 265k blocks took 20 ms in one piece, which records waited
+    out. Returns the unit."""
     if not isinstance(unit, CutUnit):
         return unit
-    store, part = unit
+    store, part, at = unit
 
     def identities(seqs: bytes) -> Generator[None, None, bytes]:
         if len(seqs) <= CUT_PIECE_BYTES:
@@ -251,12 +254,17 @@ def completing(unit: Unit | CutUnit | None) -> Generator[None, None, Unit | None
         return b"".join(pieces)
 
     if isinstance(part, OwnerUnit):
-        idents = []
-        for seqs in part.seqs:
+        tiers, idents = [], []
+        for tier in (DEVICE, HOST, DISK):
+            seqs = store.cut_owner_seqs(at, tier)
+            yield
+            tiers.append(seqs)
             idents.append((yield from identities(seqs)))
             yield
-        return msgspec.structs.replace(part, idents=idents)
-    return msgspec.structs.replace(part, idents=(yield from identities(part.seqs)))
+        return msgspec.structs.replace(part, seqs=tiers, idents=idents)
+    seqs = store.cut_pool_seqs(at)
+    yield
+    return msgspec.structs.replace(part, seqs=seqs, idents=(yield from identities(seqs)))
 
 
 def export_pending(index: Index, ns_key: NamespaceKey) -> PendingUnit | None:

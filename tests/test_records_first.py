@@ -20,7 +20,7 @@ from kvconductor import snapshots
 from kvconductor.block_store import BlockStore, PyBlockStore
 from kvconductor.kernel import KERNEL
 from kvconductor.media import DEVICE, HOST
-from kvconductor.packing import pack_u64, unpack_u64
+from kvconductor.packing import unpack_u64
 from kvconductor.records_first import RecordsFirst
 from kvconductor.snapshots import CutUnit, OwnerUnit, PoolUnit, completing
 
@@ -89,18 +89,23 @@ def test_a_cut_unit_completes_in_pieces_as_it_was_at_the_cut(
     store.add_pool(7, HOST)
     store.place_pool(7, seqs, [s * 100 for s in seqs], 100, None)
     store.begin_cut()
-    owner = CutUnit(store, OwnerUnit("i", 0, [pack_u64(seqs), b"", b""], []))
-    pool = CutUnit(store, PoolUnit("b", "cpu", HOST, pack_u64(seqs), b""))
+    store.freeze_owner(0)
+    store.freeze_pool(7)
+    owner = CutUnit(store, OwnerUnit("i", 0, [], []), 0)
+    pool = CutUnit(store, PoolUnit("b", "cpu", HOST, b"", b""), 7)
     steps = completing(pool)
     next(steps)
-    # Between pieces, records change the catalog: the cut's identities stay.
+    # Between pieces, records change the blocks and the catalog: the cut's
+    # blocks and identities stay.
     store.clear_owner(0)
     store.clear_pool(7)
     store.place_owner(0, DEVICE, seqs, [s * 100 + 1 for s in seqs], 100)
     with pytest.raises(StopIteration) as done:
         while True:
             next(steps)
-    assert unpack_u64(done.value.value.idents) == [s * 100 for s in seqs]
+    unit = done.value.value
+    pairs = dict(zip(unpack_u64(unit.seqs), unpack_u64(unit.idents), strict=True))
+    assert pairs == {s: s * 100 for s in seqs}
     steps = completing(owner)
     taken = 0
     with pytest.raises(StopIteration) as done:
@@ -108,5 +113,10 @@ def test_a_cut_unit_completes_in_pieces_as_it_was_at_the_cut(
             next(steps)
             taken += 1
     assert taken > 3  # one step a piece and one a tier
-    assert [unpack_u64(i) for i in done.value.value.idents] == [[s * 100 for s in seqs], [], []]
+    unit = done.value.value
+    tiers = [
+        dict(zip(unpack_u64(s), unpack_u64(i), strict=True))
+        for s, i in zip(unit.seqs, unit.idents, strict=True)
+    ]
+    assert tiers == [{s: s * 100 for s in seqs}, {}, {}]
     store.end_cut()

@@ -595,6 +595,34 @@ struct Pool {
     blocks: HashSet<u64>,
 }
 
+/// Owner tiers and pools frozen at an open cut (`freeze_owner`,
+/// `freeze_pool`) whose hashes are still to be read, and the hashes of
+/// those a change reached first, kept as they were: the cut costs a mark
+/// a unit, and a copy only of what changes before it is read.
+#[derive(Default)]
+struct Frozen {
+    tiers: HashSet<(usize, usize)>,
+    pools: HashSet<i64>,
+    kept_tiers: HashMap<(usize, usize), Vec<u64>>,
+    kept_pools: HashMap<i64, Vec<u64>>,
+}
+
+impl Frozen {
+    /// Before `held` (an owner's tier) changes or goes.
+    fn keep_tier(&mut self, slot: usize, tier: usize, held: &HashSet<u64>) {
+        if !self.tiers.is_empty() && self.tiers.remove(&(slot, tier)) {
+            self.kept_tiers.insert((slot, tier), held.iter().copied().collect());
+        }
+    }
+
+    /// Before `held` (a pool store's blocks) changes or goes.
+    fn keep_pool(&mut self, pid: i64, held: &HashSet<u64>) {
+        if !self.pools.is_empty() && self.pools.remove(&pid) {
+            self.kept_pools.insert(pid, held.iter().copied().collect());
+        }
+    }
+}
+
 /// `kvconductor.block_store.PyBlockStore`, compiled.
 #[pyclass(module = "kvconductor._kernel")]
 pub struct BlockStore {
@@ -604,6 +632,7 @@ pub struct BlockStore {
     pool_counts: [CountMap; TIERS],
     owners: HashMap<usize, Owner>,
     pools: HashMap<i64, Pool>,
+    frozen: Frozen,
 }
 
 fn no_owner(slot: usize) -> PyErr {
@@ -623,10 +652,18 @@ impl BlockStore {
         self.pools.get(&pid).ok_or_else(|| no_pool(pid))
     }
 
+    fn cut_open(&self) -> PyResult<()> {
+        if self.cat.cuts == 0 {
+            return Err(PyAssertionError::new_err("no cut is open"));
+        }
+        Ok(())
+    }
+
     /// The catalog and an owner's tier as a `Holder`.
     fn owner_tier(&mut self, slot: usize, tier: usize) -> PyResult<(&mut Catalog, OwnerTier<'_>)> {
         let tier = tier_ix(tier)?;
         let owner = self.owners.get_mut(&slot).ok_or_else(|| no_owner(slot))?;
+        self.frozen.keep_tier(slot, tier, &owner.tiers[tier]);
         let h = OwnerTier {
             set: &mut owner.tiers[tier],
             masks: &mut self.masks[tier][slot >> 6],
@@ -643,6 +680,7 @@ impl BlockStore {
         placed_out: Option<&'s Bound<'py, PyList>>,
     ) -> PyResult<(&'s mut Catalog, PoolBlocks<'s, 'py>)> {
         let pool = self.pools.get_mut(&pid).ok_or_else(|| no_pool(pid))?;
+        self.frozen.keep_pool(pid, &pool.blocks);
         let h = PoolBlocks {
             set: &mut pool.blocks,
             counts: &mut self.pool_counts[pool.tier],
@@ -816,6 +854,7 @@ impl BlockStore {
             pool_counts: Default::default(),
             owners: HashMap::new(),
             pools: HashMap::new(),
+            frozen: Frozen::default(),
         }
     }
 
@@ -912,8 +951,48 @@ impl BlockStore {
         cat.cuts -= 1;
         if cat.cuts == 0 {
             cat.forgotten = None;
+            self.frozen = Frozen::default();
         }
         Ok(())
+    }
+
+    fn freeze_owner(&mut self, slot: usize) -> PyResult<()> {
+        self.cut_open()?;
+        self.owner(slot)?;
+        for tier in [DEVICE, HOST, DISK] {
+            self.frozen.kept_tiers.remove(&(slot, tier));
+            self.frozen.tiers.insert((slot, tier));
+        }
+        Ok(())
+    }
+
+    fn cut_owner_seqs<'py>(&mut self, py: Python<'py>, slot: usize, tier: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let tier = tier_ix(tier)?;
+        if let Some(kept) = self.frozen.kept_tiers.remove(&(slot, tier)) {
+            return Ok(pack(py, kept.into_iter()));
+        }
+        if !self.frozen.tiers.remove(&(slot, tier)) {
+            return Err(PyAssertionError::new_err("owner tier not frozen at this cut"));
+        }
+        Ok(Self::export_seqs(py, &self.owner(slot)?.tiers[tier]))
+    }
+
+    fn freeze_pool(&mut self, pid: i64) -> PyResult<()> {
+        self.cut_open()?;
+        self.pool(pid)?;
+        self.frozen.kept_pools.remove(&pid);
+        self.frozen.pools.insert(pid);
+        Ok(())
+    }
+
+    fn cut_pool_seqs<'py>(&mut self, py: Python<'py>, pid: i64) -> PyResult<Bound<'py, PyBytes>> {
+        if let Some(kept) = self.frozen.kept_pools.remove(&pid) {
+            return Ok(pack(py, kept.into_iter()));
+        }
+        if !self.frozen.pools.remove(&pid) {
+            return Err(PyAssertionError::new_err("pool not frozen at this cut"));
+        }
+        Ok(Self::export_seqs(py, &self.pool(pid)?.blocks))
     }
 
     fn cut_identities<'py>(&self, py: Python<'py>, seqs: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
@@ -957,7 +1036,11 @@ impl BlockStore {
     }
 
     fn drop_owner(&mut self, slot: usize) -> PyResult<()> {
-        self.owners.remove(&slot).map(drop).ok_or_else(|| no_owner(slot))
+        let owner = self.owners.remove(&slot).ok_or_else(|| no_owner(slot))?;
+        for (tier, held) in owner.tiers.iter().enumerate() {
+            self.frozen.keep_tier(slot, tier, held);
+        }
+        Ok(())
     }
 
     fn owner_size(&self, slot: usize) -> PyResult<usize> {
@@ -1021,10 +1104,6 @@ impl BlockStore {
         Ok(self.export(py, &self.owner(slot)?.tiers[tier_ix(tier)?]))
     }
 
-    fn export_owner_seqs<'py>(&self, py: Python<'py>, slot: usize, tier: usize) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(Self::export_seqs(py, &self.owner(slot)?.tiers[tier_ix(tier)?]))
-    }
-
     fn load_owner(&mut self, slot: usize, tier: usize, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
         let (cat, mut h) = self.owner_tier(slot, tier)?;
         let empty = h.set.is_empty();
@@ -1040,7 +1119,9 @@ impl BlockStore {
     }
 
     fn drop_pool(&mut self, pid: i64) -> PyResult<()> {
-        self.pools.remove(&pid).map(drop).ok_or_else(|| no_pool(pid))
+        let pool = self.pools.remove(&pid).ok_or_else(|| no_pool(pid))?;
+        self.frozen.keep_pool(pid, &pool.blocks);
+        Ok(())
     }
 
     fn pool_len(&self, pid: i64) -> PyResult<usize> {
@@ -1077,10 +1158,6 @@ impl BlockStore {
         pid: i64,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         Ok(self.export(py, &self.pool(pid)?.blocks))
-    }
-
-    fn export_pool_seqs<'py>(&self, py: Python<'py>, pid: i64) -> PyResult<Bound<'py, PyBytes>> {
-        Ok(Self::export_seqs(py, &self.pool(pid)?.blocks))
     }
 
     fn load_pool(&mut self, pid: i64, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
