@@ -356,13 +356,11 @@ class PyBlockStore:
             self.frozen_tiers.add((slot, tier))
 
     def cut_owner_seqs(self, slot: int, tier: int) -> bytes:
+        self._keep_tier(slot, tier)  # unchanged since the freeze: kept as it is
         kept = self.kept_tiers.pop((slot, tier), None)
-        if kept is not None:
-            return kept
-        if (slot, tier) not in self.frozen_tiers:
+        if kept is None:
             raise AssertionError("owner tier not frozen at this cut")
-        self.frozen_tiers.discard((slot, tier))
-        return pack_u64(list(self.owners[slot].tiers[tier]))
+        return kept
 
     def freeze_pool(self, pid: int) -> None:
         self._cut_open()
@@ -372,13 +370,11 @@ class PyBlockStore:
         self.frozen_pools.add(pid)
 
     def cut_pool_seqs(self, pid: int) -> bytes:
+        self._keep_pool(pid)  # unchanged since the freeze: kept as it is
         kept = self.kept_pools.pop(pid, None)
-        if kept is not None:
-            return kept
-        if pid not in self.frozen_pools:
+        if kept is None:
             raise AssertionError("pool not frozen at this cut")
-        self.frozen_pools.discard(pid)
-        return pack_u64(list(self.pools[pid].blocks))
+        return kept
 
     def _keep_tier(self, slot: int, tier: int) -> None:
         """Before an owner's tier changes or goes."""
