@@ -571,9 +571,11 @@ def e2e_figure(
     logs: Path,
     log: Callable[[str], None] = print,
     check: int = 50,
+    warmups: int = 0,
 ) -> dict[str, Any]:
     """Sustained rate of the first `requests` requests' records, then
-    produce-to-queryable at half that rate for `seconds`, per run; the
+    produce-to-queryable at half that rate for `seconds`, per run, after
+    `warmups` runs that are reported apart and left out of the figures; the
     daemons' logs go to `logs`."""
     records = w.streams.records
     cut = w.streams.marks[requests - 1][0] if requests else 0
@@ -581,16 +583,18 @@ def e2e_figure(
     prompts = [q.tolist() for q in w.queries[:check]]
     expected = forked(lambda: _reference(w, first, prompts))
     logs.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for r in range(repeats):
+    runs: list[dict[str, Any]] = []
+    warm: list[dict[str, Any]] = []
+    for r in range(warmups + repeats):
         res = forked(
             lambda: _frozen_run(_one_run(w, bootstrap, first, rest, prompts, seconds, logs))
         )
         res["identical"] = res.pop("answers") == expected
-        runs.append(res)
+        (warm if r < warmups else runs).append(res)
         s, h = res["sustained"], res["half_load"]
+        which = f"warm-up {r + 1}/{warmups}" if r < warmups else f"run {r - warmups + 1}/{repeats}"
         log(
-            f"  e2e run {r + 1}/{repeats}: {s['blocks']:,} block events in "
+            f"  e2e {which}: {s['blocks']:,} block events in "
             f"{s['applied_s']:.2f} s = {s['rate']:,.0f}/s; at {h['rate']:,.0f}/s "
             f"produce-to-queryable p50 {h['p50_ms']:.1f} ms p99 {h['p99_ms']:.1f} ms "
             f"({h['probes'] - h['lost']}/{h['probes']} probes; p99 outside generations "
@@ -631,8 +635,8 @@ def e2e_figure(
             "rtt_ms": summary([h["rtt_ms"] for h in half]),
         },
         "answers_checked": len(prompts),
-        "identical": all(x["identical"] for x in runs),
-        "bad_records": sum(x["half_load"]["bad_records"] for x in runs),
+        "identical": all(x["identical"] for x in runs + warm),
+        "bad_records": sum(x["half_load"]["bad_records"] for x in runs + warm),
         "daemon": {
             "partitions": runs[0]["partitions"],
             "snapshot_interval_s": runs[0]["snapshot_interval_s"],
@@ -642,4 +646,5 @@ def e2e_figure(
             "exit_codes": [x["exit_code"] for x in runs],
         },
         "runs": runs,
+        "warmup_runs": warm,
     }

@@ -462,7 +462,8 @@ def _e2e_section(e2e: dict[str, Any]) -> list[str]:
         "",
         f"`kvconductor run` as a subprocess ({daemon['partitions']} partitions a topic, "
         f"snapshots every {daemon['snapshot_interval_s']:.0f} s), a producer set up like the "
-        f"bridge's, broker and daemon on this box; {runs} runs, a fresh daemon each.",
+        f"bridge's, broker and daemon on this box; {runs} runs, a fresh daemon each"
+        f"{_warmups(e2e.get('warmup_runs', []))}.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -495,6 +496,20 @@ def _e2e_section(e2e: dict[str, Any]) -> list[str]:
         f"| {daemon['snapshots']} ({daemon['snapshot_max_s']:.2f} s; "
         f"{daemon.get('snapshot_max_hold_s', 0) * 1000:,.0f} ms) |",
     ]
+
+
+def _warmups(warm: list[dict[str, Any]]) -> str:
+    """The warm-up runs, left out of the figures but not out of the report."""
+    if not warm:
+        return ""
+    each = ", ".join(
+        f"{r['sustained']['rate']:,.0f}/s and p99 {r['half_load']['p99_ms']:.1f} ms" for r in warm
+    )
+    return (
+        f", after {len(warm)} warm-up run{'s' if len(warm) > 1 else ''} left out of the "
+        f"figures ({each}): a fresh broker spends its first ~45 s compiling its hot code, "
+        "which a long-running one has done"
+    )
 
 
 def _load(values: list[float] | None) -> str:

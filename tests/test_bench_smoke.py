@@ -226,7 +226,8 @@ def test_a_process_cpu_time_is_read_from_proc() -> None:
 
 @pytest.mark.kafka
 def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> None:
-    """Figures 4 and 5 on the session's broker: a daemon subprocess per run."""
+    """Figures 4 and 5 on the session's broker: a daemon subprocess per run,
+    the warm-up's reported apart from the counted one."""
     opts = Options(
         mode="test",
         entries=TINY,
@@ -242,6 +243,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
         http_requests=0,
         e2e_repeats=1,
         e2e_seconds=2.0,
+        e2e_warmups=1,
         bootstrap=kafka_bootstrap,
         warm_bytes=0,
         peers=("kvconductor",),
@@ -265,7 +267,8 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     # The test's broker is not one the benchmark started: its CPU is not measured.
     assert half["broker_cpu"]["median"] is None
     assert e2e["daemon"]["exit_codes"] == [0]
-    assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 1
+    assert len(e2e["warmup_runs"]) == 1 and e2e["warmup_runs"][0]["exit_code"] == 0
+    assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 2
     restore = result["restore"]
     assert restore["measured"] is True and restore["identical"] is True
     assert restore["bytes"] > 0
@@ -273,6 +276,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     assert isinstance(rows["end to end"]["measured"], str)
     md = Path(report.write(result, tmp_path / "out")["md"]).read_text()
     assert "## 4. End to end through the broker" in md
+    assert "after 1 warm-up run left out of the figures" in md
     assert "## 5. Restore from the snapshot topic" in md
 
 
