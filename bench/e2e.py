@@ -60,7 +60,7 @@ from bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
 from bench.cluster import Record, stored_event
-from bench.measure import forked, percentile, process_cpu_s, summary
+from bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
 from bench.restore import broker_pid
 from bench.workload import Workload
@@ -70,7 +70,17 @@ from kvconductor.bridge.config import BridgeSettings
 SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
 POLL_S = 0.002  # probe poll: the latency figure's resolution, with one round trip
 PROBE_EVERY_S = 0.025
+# Delivery futures are checked (and the settled ones dropped) this many at a
+# time while sending: gathering a half-load phase's ~36k at its end took the
+# driver ~90 ms of CPU in one step, which the phase's last probes waited out.
+ACKS_CHECKED_EVERY = 1024
 STALL_S = 120.0  # no progress for this long: the run failed
+# Warm-up runs end once the broker's just-in-time compiler took less than
+# this share of a core in one's half load. A broker the benchmark has just
+# started compiled with 0.4-1.0 of a core through its first two runs (C2:
+# 6.2 and 3.8 s of CPU, then 0.9 s in the third), half the box at times,
+# and probes waited 90-150 ms whenever it did.
+JIT_SETTLED = 0.05
 PROBE_TAG = 1 << 62  # probe block hashes: far from the simulated engines' hashes
 STOP_EVENT = "signal received: finishing the batch in hand, committing, closing"
 
@@ -253,6 +263,14 @@ class _ProbeClient:
             conn.close()
 
 
+def _delivered(ack: asyncio.Future[Any]) -> bool:
+    """Whether a record's delivery is settled; raises if it failed."""
+    if not ack.done():
+        return False
+    ack.result()
+    return True
+
+
 def _mark_acked(probe: _Probe, _ack: object) -> None:
     probe.acked = time.perf_counter()
 
@@ -284,6 +302,8 @@ class _Run:
         )
         self.acks.append(ack)
         self.sent += 1
+        if len(self.acks) >= ACKS_CHECKED_EVERY:
+            self.acks = [a for a in self.acks if not _delivered(a)]
         return ack
 
     async def flush(self) -> None:
@@ -356,6 +376,8 @@ class _Run:
         pids = {"daemon": self.daemon.pid, "broker": broker_pid(self.bootstrap)}
         watched = {k: pid for k, pid in pids.items() if pid is not None}
         before = {k: sum(process_cpu_s(pid)) for k, pid in watched.items()}
+        broker = watched.get("broker")
+        jit_before = None if broker is None else jit_cpu_s(broker)
         driver_before = time.process_time()
         started = time.perf_counter()
         try:
@@ -366,6 +388,8 @@ class _Run:
             probes.close()
         wall = time.perf_counter() - started
         cpu = {k: (sum(process_cpu_s(pid)) - before[k]) / wall for k, pid in watched.items()}
+        jit_after = None if broker is None else jit_cpu_s(broker)
+        jit = None if jit_before is None or jit_after is None else (jit_after - jit_before) / wall
         driver_cpu = (time.process_time() - driver_before) / wall
         _, bad = await self.daemon.wait_consumed(self.session, self.sent)
         ms = sorted(x * 1000 for x in state.latencies)
@@ -388,6 +412,8 @@ class _Run:
             "bad_records": bad,  # over the daemon's life: both phases
             "daemon_cpu": cpu["daemon"],
             "broker_cpu": cpu.get("broker"),  # None: not a broker this benchmark started
+            # Of which its just-in-time compiler: how far from warm it was.
+            "broker_jit_cpu": jit,
             "driver_cpu": driver_cpu,
         }
 
@@ -549,6 +575,23 @@ def _frozen_run(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     return asyncio.run(main)
 
 
+def _run_line(res: dict[str, Any]) -> str:
+    s, h = res["sustained"], res["half_load"]
+    return (
+        f"{s['blocks']:,} block events in "
+        f"{s['applied_s']:.2f} s = {s['rate']:,.0f}/s; at {h['rate']:,.0f}/s "
+        f"produce-to-queryable p50 {h['p50_ms']:.1f} ms p99 {h['p99_ms']:.1f} ms "
+        f"({h['probes'] - h['lost']}/{h['probes']} probes; p99 outside generations "
+        f"{_ms_or_none(h['p99_outside_generations_ms'])}, during "
+        f"{_ms_or_none(h['p99_during_generations_ms'])} "
+        f"({h['probes_during_generations']} probes)); CPU: daemon {h['daemon_cpu']:.0%} "
+        f"of a core, broker {_share_or_none(h['broker_cpu'])} (its compiler "
+        f"{_share_or_none(h['broker_jit_cpu'])}), driver {h['driver_cpu']:.0%}; answers "
+        f"identical: {res['identical']}; longest snapshot lock hold "
+        f"{res['snapshot_max_hold_s'] * 1000:.0f} ms"
+    )
+
+
 def _ms_or_none(value: float | None) -> str:
     return "none" if value is None else f"{value:.1f} ms"
 
@@ -574,9 +617,13 @@ def e2e_figure(
     warmups: int = 0,
 ) -> dict[str, Any]:
     """Sustained rate of the first `requests` requests' records, then
-    produce-to-queryable at half that rate for `seconds`, per run, after
-    `warmups` runs that are reported apart and left out of the figures; the
-    daemons' logs go to `logs`."""
+    produce-to-queryable at half that rate for `seconds`, per run; the
+    daemons' logs go to `logs`.
+
+    Up to `warmups` runs come first, reported apart and left out of the
+    figures: they stop once the broker's just-in-time compiler took under
+    `JIT_SETTLED` of a core in one's half load (after one, for a broker
+    whose compiler cannot be watched)."""
     records = w.streams.records
     cut = w.streams.marks[requests - 1][0] if requests else 0
     first, rest = records[:cut], records[cut:]
@@ -585,27 +632,21 @@ def e2e_figure(
     logs.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     warm: list[dict[str, Any]] = []
-    for r in range(warmups + repeats):
+    settled = warmups == 0
+    while len(runs) < repeats:
         res = forked(
             lambda: _frozen_run(_one_run(w, bootstrap, first, rest, prompts, seconds, logs))
         )
         res["identical"] = res.pop("answers") == expected
-        (warm if r < warmups else runs).append(res)
-        s, h = res["sustained"], res["half_load"]
-        which = f"warm-up {r + 1}/{warmups}" if r < warmups else f"run {r - warmups + 1}/{repeats}"
-        log(
-            f"  e2e {which}: {s['blocks']:,} block events in "
-            f"{s['applied_s']:.2f} s = {s['rate']:,.0f}/s; at {h['rate']:,.0f}/s "
-            f"produce-to-queryable p50 {h['p50_ms']:.1f} ms p99 {h['p99_ms']:.1f} ms "
-            f"({h['probes'] - h['lost']}/{h['probes']} probes; p99 outside generations "
-            f"{_ms_or_none(h['p99_outside_generations_ms'])}, during "
-            f"{_ms_or_none(h['p99_during_generations_ms'])} "
-            f"({h['probes_during_generations']} probes)); CPU: daemon {h['daemon_cpu']:.0%} "
-            f"of a core, broker {_share_or_none(h['broker_cpu'])}, driver "
-            f"{h['driver_cpu']:.0%}; answers identical: "
-            f"{res['identical']}; longest snapshot lock hold "
-            f"{res['snapshot_max_hold_s'] * 1000:.0f} ms"
-        )
+        if settled:
+            runs.append(res)
+            which = f"run {len(runs)}/{repeats}"
+        else:
+            warm.append(res)
+            jit = res["half_load"]["broker_jit_cpu"]
+            settled = jit is None or jit < JIT_SETTLED or len(warm) == warmups
+            which = f"warm-up {len(warm)}" + (" (the last)" if settled else "")
+        log(f"  e2e {which}: {_run_line(res)}")
     half = [x["half_load"] for x in runs]
     return {
         "measured": True,
@@ -624,6 +665,7 @@ def e2e_figure(
             "p99_during_generations_ms": _summary_of(half, "p99_during_generations_ms"),
             "daemon_cpu": summary([h["daemon_cpu"] for h in half]),
             "broker_cpu": _summary_of(half, "broker_cpu"),
+            "broker_jit_cpu": _summary_of(half, "broker_jit_cpu"),
             "driver_cpu": summary([h["driver_cpu"] for h in half]),
             "probes_during_generations": sum(h["probes_during_generations"] for h in half),
             "ack_p50_ms": summary([h["ack_p50_ms"] for h in half]),

@@ -58,6 +58,32 @@ def process_cpu_s(pid: int) -> tuple[float, float]:
     return int(fields[11]) * _TICK_S, int(fields[12]) * _TICK_S
 
 
+# HotSpot's just-in-time compiler threads ("C1 CompilerThread0", cut to
+# the kernel's 15 characters).
+_JIT_THREADS = (b"C1 CompilerThre", b"C2 CompilerThre")
+
+
+def jit_cpu_s(pid: int) -> float | None:
+    """CPU seconds a JVM's just-in-time compiler threads have used (Linux
+    /proc); None when the process has none (not HotSpot) or is gone."""
+    total = None
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
+                if f.read().strip() not in _JIT_THREADS:
+                    continue
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        total = (total or 0.0) + (int(fields[11]) + int(fields[12])) * _TICK_S
+    return total
+
+
 def settle() -> int:
     """Collect garbage, hand free heap pages back to the OS, then the
     resident size. (Pages a forked child shares with its parent count in its

@@ -483,9 +483,10 @@ def _e2e_section(e2e: dict[str, Any]) -> list[str]:
         f"({half.get('probes_during_generations', 0):,} probes during) "
         f"| {_ms(half.get('p99_outside_generations_ms'), 1)} / "
         f"{_ms(half.get('p99_during_generations_ms'), 1)} ms |",
-        f"| CPU while producing, share of one core: the daemon / the broker / this "
-        f"benchmark's driver | {_ms(half.get('daemon_cpu'), 2)} / "
-        f"{_ms(half.get('broker_cpu'), 2)} / {_ms(half.get('driver_cpu'), 2)} |",
+        f"| CPU while producing, share of one core: the daemon / the broker (its "
+        f"just-in-time compiler) / this benchmark's driver | {_ms(half.get('daemon_cpu'), 2)} / "
+        f"{_ms(half.get('broker_cpu'), 2)} ({_ms(half.get('broker_jit_cpu'), 2)}) / "
+        f"{_ms(half.get('driver_cpu'), 2)} |",
         f"| probes seen / sent | {half['probes'] - half['lost']:,} / {half['probes']:,} |",
         f"| resolution: poll interval + query round trip (median) | {half['poll_ms']:.0f} + "
         f"{_ms(half['rtt_ms'], 1)} ms |",
@@ -502,14 +503,20 @@ def _warmups(warm: list[dict[str, Any]]) -> str:
     """The warm-up runs, left out of the figures but not out of the report."""
     if not warm:
         return ""
-    each = ", ".join(
-        f"{r['sustained']['rate']:,.0f}/s and p99 {r['half_load']['p99_ms']:.1f} ms" for r in warm
+    each = "; ".join(
+        f"{r['sustained']['rate']:,.0f}/s, p99 {r['half_load']['p99_ms']:.1f} ms, the "
+        f"broker's compiler {_share(r['half_load'].get('broker_jit_cpu'))} of a core"
+        for r in warm
     )
     return (
         f", after {len(warm)} warm-up run{'s' if len(warm) > 1 else ''} left out of the "
-        f"figures ({each}): a fresh broker spends its first ~45 s compiling its hot code, "
-        "which a long-running one has done"
+        f"figures ({each}): a broker just started compiles its hot code for its first "
+        "runs, which a long-running one has done"
     )
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _load(values: list[float] | None) -> str:

@@ -17,7 +17,7 @@ import xxhash
 
 from bench import report
 from bench.fixed_answer import CHAIN, Filler, chains_for, fixed_answer_figure, instances_of
-from bench.measure import process_cpu_s
+from bench.measure import jit_cpu_s, process_cpu_s
 from bench.peers import dynamo_available
 from bench.restore import broker_pid, local_broker
 from bench.suite import Options, run
@@ -224,10 +224,17 @@ def test_a_process_cpu_time_is_read_from_proc() -> None:
     assert sum(process_cpu_s(os.getpid())) > before
 
 
+def test_only_a_jvm_has_a_compiler_to_watch() -> None:
+    assert jit_cpu_s(os.getpid()) is None  # CPython: no compiler threads
+    assert jit_cpu_s(2**22 + 1) is None  # above pid_max's default: no such process
+
+
 @pytest.mark.kafka
 def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> None:
     """Figures 4 and 5 on the session's broker: a daemon subprocess per run,
-    the warm-up's reported apart from the counted one."""
+    the warm-up's reported apart from the counted one. The session's broker
+    is not one the benchmark started, so its compiler cannot be watched:
+    one warm-up run of the three allowed."""
     opts = Options(
         mode="test",
         entries=TINY,
@@ -243,7 +250,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
         http_requests=0,
         e2e_repeats=1,
         e2e_seconds=2.0,
-        e2e_warmups=1,
+        e2e_warmups=3,
         bootstrap=kafka_bootstrap,
         warm_bytes=0,
         peers=("kvconductor",),
@@ -266,6 +273,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     assert half["daemon_cpu"]["median"] > 0 and half["driver_cpu"]["median"] > 0
     # The test's broker is not one the benchmark started: its CPU is not measured.
     assert half["broker_cpu"]["median"] is None
+    assert half["broker_jit_cpu"]["median"] is None
     assert e2e["daemon"]["exit_codes"] == [0]
     assert len(e2e["warmup_runs"]) == 1 and e2e["warmup_runs"][0]["exit_code"] == 0
     assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 2
@@ -298,6 +306,8 @@ def test_the_benchmarks_own_broker_is_known_by_its_bootstrap() -> None:
         assert pid is not None
         assert sum(process_cpu_s(pid)) > 0  # a live process: it started a JVM
         assert "java" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        # Starting the broker compiled some of its code already.
+        assert (jit_cpu_s(pid) or 0.0) > 0
     assert broker_pid(bootstrap) is None
     assert broker_pid("127.0.0.1:1") is None
 
