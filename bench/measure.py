@@ -52,7 +52,12 @@ def rss_bytes() -> int:
 
 def process_cpu_s(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of a process (Linux /proc, clock ticks)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
+    return _stat_cpu_s(f"/proc/{pid}/stat")
+
+
+def _stat_cpu_s(path: str) -> tuple[float, float]:
+    """User and system CPU seconds in a process's or a thread's `stat`."""
+    with open(path, "rb") as f:
         # Fields after the command name, which may hold spaces and parens.
         fields = f.read().rpartition(b")")[2].split()
     return int(fields[11]) * _TICK_S, int(fields[12]) * _TICK_S
@@ -76,11 +81,10 @@ def jit_cpu_s(pid: int) -> float | None:
             with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
                 if f.read().strip() not in _JIT_THREADS:
                     continue
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
+            user, system = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
         except OSError:  # a thread that ended meanwhile
             continue
-        total = (total or 0.0) + (int(fields[11]) + int(fields[12])) * _TICK_S
+        total = (total or 0.0) + user + system
     return total
 
 
