@@ -505,7 +505,7 @@ def _warmups(warm: list[dict[str, Any]]) -> str:
         return ""
     each = "; ".join(
         f"{r['sustained']['rate']:,.0f}/s, p99 {r['half_load']['p99_ms']:.1f} ms, the "
-        f"broker's compiler {_share(r['half_load'].get('broker_jit_cpu'))} of a core"
+        f"broker's compiler {_n(r['half_load'].get('broker_jit_cpu'), 2)} of a core"
         for r in warm
     )
     return (
@@ -513,10 +513,6 @@ def _warmups(warm: list[dict[str, Any]]) -> str:
         f"figures ({each}): a broker just started compiles its hot code for its first "
         "runs, which a long-running one has done"
     )
-
-
-def _share(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _load(values: list[float] | None) -> str:
