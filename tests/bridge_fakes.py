@@ -2,7 +2,7 @@
 and helpers to run a bridge and read what it wrote.
 
 `FakePublisher` behaves like vLLM 0.33's `ZmqEventPublisher` on the wire
-(checked byte for byte against ../shared/fixtures/vllm/zmq_frames_0.33.0.json
+(checked byte for byte against tests/fixtures/vllm/zmq_frames_0.33.0.json
 in test_bridge_frames.py): live `[topic, seq, payload]` on a PUB socket (an
 XPUB here, which sends the same frames and also tells the test when the
 bridge has subscribed), and a ROUTER replay socket that answers `[b"", seq]`

@@ -17,7 +17,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from kvconductor.config import Config, load_config
 from kvconductor.daemon import Daemon
 
-FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "vllm"
+# The fixtures the tests read live in the repository (tests/fixtures/README.md).
+FIXTURE_ROOT = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = FIXTURE_ROOT / "vllm"
 
 Record = tuple[str, bytes, list[tuple[str, bytes]]]  # key, value, headers
 

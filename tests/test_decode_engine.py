@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -24,8 +23,8 @@ from consumers.hash_norm import (
 from kvconductor.errors import DecodeError, InvalidHeader, RejectedEvent
 from kvconductor.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch
 from kvconductor.hashing import pack_tokens
+from tests.harness import FIXTURES
 
-FIXTURES = Path(__file__).parent.parent.parent / "shared" / "fixtures" / "vllm"
 VERSIONS = ["0.9.0", "0.10.2", "0.22.0", "0.28.0", "0.33.0", "0.33.0-bytes-hashes"]
 MASK = (1 << 64) - 1
 enc = msgspec.msgpack.encode
