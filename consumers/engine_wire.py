@@ -428,6 +428,7 @@ def _stored(ev: _WireStored | _LaxStored, i: int) -> BlockStored:
         extra,
         ev.group_idx,
         ev.kv_cache_spec_kind,
+        ev.kv_cache_spec_sliding_window,
     )
 
 

@@ -33,6 +33,9 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     extra_keys: list[int | None] | None = None
     group_idx: int | None = None
     spec_kind: str | None = None
+    # The window of a sliding-window group (tokens), or a chunked local
+    # group's chunk; vLLM's `kv_cache_spec_sliding_window`.
+    sliding_window: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):

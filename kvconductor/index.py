@@ -12,6 +12,13 @@ from collections import Counter, OrderedDict
 
 import msgspec
 
+from kvconductor.cache_groups import (
+    KNOWN_KINDS,
+    MAX_WINDOW,
+    UNCACHED_KINDS,
+    WINDOW_KINDS,
+    is_primary,
+)
 from kvconductor.errors import RejectedEvent
 from kvconductor.events import (
     AllBlocksCleared,
@@ -26,12 +33,6 @@ from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
 from kvconductor.query import namespace_of, run_query, run_query_json
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
-
-# KV cache spec kinds whose blocks form a token prefix tree. Other groups of
-# a hybrid model (sliding window, Mamba state, ...) keep only recent or
-# summarised state, so their blocks say nothing about a prefix hit; their
-# events are counted and skipped.
-PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "full", "FullAttentionSpec"})
 
 
 class IndexLimits(msgspec.Struct, frozen=True):
@@ -59,11 +60,13 @@ class IndexLimits(msgspec.Struct, frozen=True):
 class InstanceState:
     """What the index remembers about one engine instance across namespaces."""
 
-    __slots__ = ("last_event_ts", "last_seq", "namespaces", "skip_groups")
+    __slots__ = ("groups", "last_event_ts", "last_seq", "namespaces")
 
     def __init__(self) -> None:
         self.namespaces: set[NamespaceKey] = set()
-        self.skip_groups: set[int] = set()
+        # KV-cache group -> its spec kind, from the stores (removals name
+        # only the group).
+        self.groups: dict[int, str] = {}
         self.last_seq: dict[int, int] = {}
         self.last_event_ts = 0.0
 
@@ -204,23 +207,41 @@ class Index:
         self, instance: str, state: InstanceState, rank: int, meta: EngineMeta, ev: BlockStored
     ) -> int:
         counters = self.counters
-        if ev.spec_kind is not None and ev.spec_kind not in PREFIX_KINDS:
-            if ev.group_idx is not None:
-                state.skip_groups.add(ev.group_idx)
-            counters["non_prefix_group_skipped"] += len(ev.block_hashes)
+        n = len(ev.block_hashes)
+        group = ev.group_idx or 0
+        kind = self._group_kind(state, group, ev.spec_kind, n)
+        if kind == "":
             return 0
-        if ev.block_size is not None and ev.block_size != meta.block_size:
-            counters["block_size_mismatch"] += len(ev.block_hashes)
+        if kind in UNCACHED_KINDS:
+            counters["non_prefix_group_skipped"] += n
             return 0
+        primary = is_primary(group, kind)
+        size = ev.block_size
+        if size is not None and size != meta.block_size and size % meta.block_size:
+            # A smaller primary block is a partial-block key off the hit
+            # alignment, which vLLM never looks up.
+            fits = not primary and meta.block_size % size == 0
+            if not fits:
+                small = primary and meta.block_size % size == 0
+                counters["partial_blocks_skipped" if small else "block_size_mismatch"] += n
+                return 0
         if ev.lora_name is None and ev.lora_id is not None:
             # Old releases name an adapter only by a run-local id: its blocks
             # cannot be put in a namespace a router can ask for.
-            counters["unnamed_lora_skipped"] += len(ev.block_hashes)
+            counters["unnamed_lora_skipped"] += n
             return 0
         tier = engine_tier(ev.medium)
         if tier is None:
-            counters["unknown_medium"] += len(ev.block_hashes)
+            counters["unknown_medium"] += n
             return 0
+        if not primary:
+            if tier != DEVICE:
+                counters["group_lower_tier_skipped"] += n
+                return 0
+            window = ev.sliding_window
+            if kind in WINDOW_KINDS and (window is None or not 0 < window <= MAX_WINDOW):
+                counters["bad_group_spec"] += max(n, 1)
+                return 0
         ns = self._namespace(
             NamespaceKey(meta.tenant, meta.model, meta.block_size, ev.lora_name, meta.salt)
         )
@@ -232,7 +253,20 @@ class Index:
                 # Forget the namespaces the index dropped since (emptied): at
                 # least half of them, so this costs O(1) per store amortised.
                 state.namespaces &= self.namespaces.keys()
-        if meta.offload_pool and tier != DEVICE:
+        if not primary:
+            done = ns.store_group(
+                instance,
+                rank,
+                group,
+                kind or "unknown",
+                size,
+                ev.sliding_window,
+                ev.block_hashes,
+                ev.parent_block_hash,
+                ev.token_ids,
+            )
+            self.applied[(meta.source, "group")] += done
+        elif meta.offload_pool and tier != DEVICE:
             done = ns.offload_intent(
                 ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.extra_keys
             )
@@ -246,22 +280,45 @@ class Index:
                 ev.parent_block_hash,
                 ev.token_ids,
                 ev.extra_keys,
+                size,
             )
             self.applied[(meta.source, TIER_NAMES[tier])] += done
         self._gc(ns)
         return done
 
+    def _group_kind(self, state: InstanceState, group: int, kind: str | None, n: int) -> str | None:
+        """The group's kind: the store's, remembered for its removals;
+        "" when it contradicts what the group was (the event is skipped)."""
+        known = state.groups.get(group)
+        if kind is None:
+            return known
+        if known is None:
+            state.groups[group] = kind
+            if kind not in KNOWN_KINDS:
+                self.counters["unknown_group_kind"] += 1
+            return kind
+        if known != kind:
+            self.counters["group_kind_changed"] += max(n, 1)
+            return ""
+        return kind
+
     def _engine_removed(
         self, instance: str, state: InstanceState, rank: int, meta: EngineMeta, ev: BlockRemoved
     ) -> int:
-        if ev.group_idx is not None and ev.group_idx in state.skip_groups:
+        group = ev.group_idx or 0
+        kind = state.groups.get(group)
+        if kind in UNCACHED_KINDS:
             self.counters["non_prefix_group_skipped"] += len(ev.block_hashes)
             return 0
         tier = engine_tier(ev.medium)
         if tier is None:
             self.counters["unknown_medium"] += len(ev.block_hashes)
             return 0
-        if meta.offload_pool and tier != DEVICE:
+        primary = is_primary(group, kind)
+        if not primary and tier != DEVICE:
+            self.counters["group_lower_tier_skipped"] += len(ev.block_hashes)
+            return 0
+        if primary and meta.offload_pool and tier != DEVICE:
             # The pool's own events say when a pooled block goes away.
             self.counters["pool_mode_removal_ignored"] += len(ev.block_hashes)
             return 0
@@ -270,7 +327,10 @@ class Index:
             ns = self.namespaces.get(key)
             if ns is None:
                 continue
-            missing = ns.remove_owner(instance, rank, tier, missing)
+            if primary:
+                missing = ns.remove_owner(instance, rank, tier, missing)
+            else:
+                missing = ns.remove_group(instance, rank, group, missing)
             self._gc(ns)
             if not missing:
                 break

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from kvconductor.answer_shape import AnswerShape, new_shape
 from kvconductor.block_store import BlockStore, Placed, new_store
+from kvconductor.cache_groups import GroupState, locate, unit_extra, unit_seqs
 from kvconductor.events import Tokens
 from kvconductor.hashing import block_identity, chain_identities, lora_seed, pack_tokens
 from kvconductor.pending import (
@@ -75,15 +76,38 @@ class Unresolved(NamedTuple):
 
 class Owner:
     """One (instance, dp rank) in a namespace; its three tiers are in the
-    store under its slot."""
+    store under its slot (a set of blocks each), the rest here."""
 
-    __slots__ = ("bit", "instance", "rank", "slot")
+    __slots__ = ("bit", "copies", "groups", "instance", "primary_block", "rank", "slot")
 
     def __init__(self, instance: str, rank: int, slot: int) -> None:
         self.instance = instance
         self.rank = rank
         self.slot = slot
         self.bit = 1 << slot
+        # (tier, engine hash) -> copies beyond the first: vLLM announces and
+        # removes each cached block under one hash, the tier holds the
+        # block while a copy remains (contract section 2, v2).
+        self.copies: dict[tuple[int, int], int] = {}
+        # KV-cache groups other than the primary one (`cache_groups`).
+        self.groups: dict[int, GroupState] = {}
+        # The primary group's block size (0: none seen): its blocks larger
+        # than the namespace's are held as that many units.
+        self.primary_block = 0
+
+    def group_blocks(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
+
+class OwnerExtras(NamedTuple):
+    """An owner's state beyond its tiers' sets (see `Owner`)."""
+
+    copies: dict[tuple[int, int], int]
+    groups: dict[int, GroupState]
+    primary_block: int
+
+
+NO_EXTRAS = OwnerExtras({}, {}, 0)
 
 
 class PoolStore:
@@ -140,6 +164,9 @@ class NamespaceIndex:
         self.free_slots: list[int] = []
         self.all_bits = 0
         self._shape: AnswerShape | None = None  # made again when owners change
+        # Slots of owners with non-primary KV-cache groups: their device hit
+        # is vLLM's hybrid rule over those groups (`query.match`).
+        self.hybrid: set[int] = set()
         self.pools: dict[tuple[str, str], PoolStore] = {}
         self.next_pid = 0
         self.waiting: dict[int, list[Target]] = {}
@@ -315,8 +342,9 @@ class NamespaceIndex:
         return owner
 
     def _retire_if_empty(self, owner: Owner) -> None:
-        if self.store.owner_size(owner.slot):
+        if self.store.owner_size(owner.slot) or owner.group_blocks():
             return
+        self.hybrid.discard(owner.slot)
         self.store.drop_owner(owner.slot)
         ranks = self.owners[owner.instance]
         del ranks[owner.rank]
@@ -449,17 +477,28 @@ class NamespaceIndex:
         parent: int | None,
         token_ids: Tokens | None,
         extra: Sequence[int | None] | None,
+        block_size: int | None = None,
     ) -> int:
-        """An engine stores blocks in its own tier; returns blocks placed now."""
+        """An engine stores blocks in its own tier; returns blocks placed now.
+
+        `block_size`: the event's, a multiple of the namespace's (each block
+        is held as that many units)."""
         owner = self._owner(instance, rank)
         if owner is None:
             self.counters["owner_limit_dropped"] += len(seqs)
             return 0
+        size = block_size or self.block_size
+        if size > owner.primary_block:
+            owner.primary_block = size
+        if size > self.block_size:
+            units = size // self.block_size
+            seqs, extra = unit_seqs(seqs, units), unit_extra(extra, units)
+        copies = self._copies(owner, tier, seqs, parent)
         if self.store.owner_size(owner.slot) >= self.max_blocks_per_owner:
             # A full owner's store is dropped whole, before any of it can wait
             # in the pending queue for a parent that was itself dropped.
             self.counters["owner_capacity_dropped"] += self.store.count_new(owner.slot, tier, seqs)
-            return 0
+            return copies
         idents: list[int] | None = None
         if token_ids:
             seqs, idents = self._chain(seqs, parent, token_ids, extra, False)
@@ -469,7 +508,27 @@ class NamespaceIndex:
         if idents is not None:
             self._learn(seqs, idents)
         self._retire_if_empty(owner)
-        return placed
+        return placed + copies
+
+    def _copies(self, owner: Owner, tier: int, seqs: Sequence[int], parent: int | None) -> int:
+        """Count a copy of each block of a store that the tier holds already.
+
+        On a single-group owner a store from the first block (no parent) of
+        blocks all held is a re-announcement (vLLM's `kv_cache_report_mode:
+        "full"` re-emits the blocks a request reuses), not new copies. A
+        hybrid owner recomputes and stores such blocks again whenever its
+        other groups cut the hit short, so there they are copies."""
+        store = self.store
+        slot = owner.slot
+        if store.count_new(slot, tier, seqs) == len(seqs):
+            return 0
+        held = [seq for seq in seqs if not store.count_new(slot, tier, (seq,))]
+        if parent is None and len(held) == len(seqs) and not owner.groups:
+            return 0
+        copies = owner.copies
+        for seq in held:
+            copies[(tier, seq)] = copies.get((tier, seq), 0) + 1
+        return len(held)
 
     def _then_wait(self, placed: Placed, target: Target) -> int:
         """The blocks whose content is known are placed; now wait for the rest.
@@ -508,15 +567,35 @@ class NamespaceIndex:
         return pinned
 
     def remove_owner(self, instance: str, rank: int, tier: int, seqs: Iterable[int]) -> list[int]:
-        """Remove blocks from an owner's tier; returns the hashes not found."""
+        """Remove one copy of each block from an owner's tier; returns the
+        hashes not found."""
         owner = self.owners.get(instance, {}).get(rank)
+        target: OwnerTarget = ("o", instance, rank, tier)
+        seqs = list(seqs)
         if owner is not None:
             self.dirty.owners.add((self.key, instance, rank))
-        target: OwnerTarget = ("o", instance, rank, tier)
-        if owner is not None:
-            seqs = self.store.remove_owner(owner.slot, tier, list(seqs))
+            if owner.primary_block > self.block_size:
+                self._remove_units(owner, tier, seqs, owner.primary_block // self.block_size)
+            if owner.copies:
+                seqs = [seq for seq in seqs if not self._drop_copy(owner, tier, seq)]
+            seqs = self.store.remove_owner(owner.slot, tier, seqs)
             self._retire_if_empty(owner)
         return [seq for seq in seqs if not self._cancel_wait(seq, target)]
+
+    def _drop_copy(self, owner: Owner, tier: int, seq: int) -> bool:
+        left = owner.copies.pop((tier, seq), 0)
+        if left > 1:
+            owner.copies[(tier, seq)] = left - 1
+        return left > 0
+
+    def _remove_units(self, owner: Owner, tier: int, seqs: Sequence[int], units: int) -> None:
+        """A removed block's units but its last (its own hash, removed by
+        the caller); a smaller block (a partial store) has none."""
+        for unit in unit_seqs(seqs, units):
+            if unit in seqs:
+                continue
+            if not (owner.copies and self._drop_copy(owner, tier, unit)):
+                self.store.remove_owner(owner.slot, tier, [unit])
 
     def _cancel_wait(self, seq: int, target: Target) -> bool:
         if not self.pending.discard((WAITING, seq, target)):
@@ -528,15 +607,76 @@ class NamespaceIndex:
         return True
 
     def clear_owner(self, instance: str, rank: int) -> int:
-        """AllBlocksCleared: every tier of that instance and rank."""
+        """AllBlocksCleared: every tier and group of that instance and rank."""
         removed = 0
         owner = self.owners.get(instance, {}).get(rank)
         if owner is not None:
             self.dirty.owners.add((self.key, instance, rank))
             removed = self.store.clear_owner(owner.slot)
+            owner.copies.clear()
+            for group in owner.groups.values():
+                removed += group.clear()
             self._retire_if_empty(owner)
         self._cancel_waits(lambda t: t[0] == "o" and t[1] == instance and t[2] == rank)
         return removed
+
+    def store_group(
+        self,
+        instance: str,
+        rank: int,
+        group_idx: int,
+        kind: str,
+        block_size: int | None,
+        window: int | None,
+        seqs: Sequence[int],
+        parent: int | None,
+        token_ids: Tokens | None,
+    ) -> int:
+        """A non-primary KV-cache group stores blocks on the device; returns
+        the blocks (copies) it now holds more."""
+        owner = self._owner(instance, rank)
+        if owner is None:
+            self.counters["owner_limit_dropped"] += len(seqs)
+            return 0
+        size = block_size or self.block_size
+        group = owner.groups.get(group_idx)
+        if group is None:
+            group = owner.groups[group_idx] = GroupState(kind, size, window)
+            self.hybrid.add(owner.slot)
+        else:
+            group.block_size = max(group.block_size, size)
+            if window is not None:
+                group.window = window
+        placed = 0
+        if seqs:
+            keys = locate(
+                seqs, parent, token_ids or b"", size, self.block_size, self.seed, self.store.ident
+            )
+            unplaced = 0
+            for seq, key in zip(seqs, keys, strict=True):
+                if key is None:
+                    unplaced += 1
+                else:
+                    group.add(seq, key)
+                    placed += 1
+            if unplaced:
+                self.counters["group_blocks_unplaced"] += unplaced
+        self._retire_if_empty(owner)
+        return placed
+
+    def remove_group(
+        self, instance: str, rank: int, group_idx: int, seqs: Sequence[int]
+    ) -> list[int]:
+        """One copy of each block leaves a non-primary group; returns the
+        hashes it did not hold."""
+        owner = self.owners.get(instance, {}).get(rank)
+        group = owner.groups.get(group_idx) if owner is not None else None
+        if owner is None or group is None:
+            return list(seqs)
+        self.dirty.owners.add((self.key, instance, rank))
+        missing = [seq for seq in seqs if not group.remove(seq)]
+        self._retire_if_empty(owner)
+        return missing
 
     def remove_instance(self, instance: str) -> None:
         for rank in list(self.owners.get(instance, {})):
@@ -624,15 +764,16 @@ class NamespaceIndex:
 
     def load(
         self,
-        owners: Sequence[tuple[str, int, Sequence[tuple[bytes, bytes]]]],
+        owners: Sequence[tuple[str, int, Sequence[tuple[bytes, bytes]], OwnerExtras]],
         pools: Sequence[tuple[str, str, int, bytes, bytes]],
     ) -> None:
         """Bulk-load owner tiers and pool stores of a snapshot (packed
         arrays) into this fresh namespace. Same result as placing block by
         block."""
         assert not self.store.content_len(), "load() is for a namespace restored from scratch"
-        for instance, rank, tiers in owners:
+        for instance, rank, tiers, extras in owners:
             owner = self.restored_owner(instance, rank)
+            self.set_extras(owner, extras)
             for tier, (seqs, idents) in enumerate(tiers):
                 if seqs:
                     self.store.load_owner(owner.slot, tier, seqs, idents)
@@ -641,6 +782,16 @@ class NamespaceIndex:
             store = self.restored_pool(backend, medium, tier)
             self.store.load_pool(store.pid, seqs, idents)
             self._drop_pool_if_empty(store)
+
+    def set_extras(self, owner: Owner, extras: OwnerExtras) -> None:
+        """What an owner holds beyond its tiers' sets, as a snapshot has it."""
+        owner.copies = dict(extras.copies)
+        owner.groups = dict(extras.groups)
+        owner.primary_block = extras.primary_block
+        if owner.groups:
+            self.hybrid.add(owner.slot)
+        else:
+            self.hybrid.discard(owner.slot)
 
     # ------------------------------------------------------------ reading
 

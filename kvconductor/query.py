@@ -22,7 +22,9 @@ from __future__ import annotations
 import msgspec
 
 from kvconductor.block_store import Matched
-from kvconductor.hashing import MASK64, extra_keys_fingerprint, pack_tokens
+from kvconductor.cache_groups import Prefix, hybrid_hit
+from kvconductor.hashing import MASK64, chain_identities, extra_keys_fingerprint, pack_tokens
+from kvconductor.media import DEVICE
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
 
@@ -71,8 +73,53 @@ def match(ns: NamespaceIndex, prompt: bytes | list[int], listed: int, salt: int 
     only block 0 is hashed from the seed, so that is where an engine mixes
     it); or engine block hashes."""
     if isinstance(prompt, bytes):
-        return ns.store.match_tokens(prompt, ns.block_size, ns.seed ^ salt, listed)
-    return ns.store.match_identities(ns.identities_of(prompt), listed)
+        found = ns.store.match_tokens(prompt, ns.block_size, ns.seed ^ salt, listed)
+    else:
+        found = ns.store.match_identities(ns.identities_of(prompt), listed)
+    if ns.hybrid and any(m[0] in ns.hybrid for m in found):
+        return _hybrid(ns, prompt, found, salt)
+    return found
+
+
+def _hybrid(ns: NamespaceIndex, prompt: bytes | list[int], found: Matched, salt: int) -> Matched:
+    """The device hit of owners with several KV-cache groups: vLLM's hybrid
+    rule over their groups, capped by the primary group's prefix the walk
+    found. Lower tiers hold the primary group only, so they continue the
+    prefix only where the groups do not cut it."""
+    bs = ns.block_size
+    total = len(prompt) // (4 * bs) if isinstance(prompt, bytes) else len(prompt)
+    # An owner whose primary group holds or held blocks is capped by its
+    # prefix; one without (its attention group is not group 0) is not.
+    limits = {
+        slot: gpu if _has_primary(ns, slot) else total
+        for slot, gpu, _, _ in found
+        if slot in ns.hybrid
+    }
+    reach = max(limits.values())
+    base = ns.seed ^ salt
+    if isinstance(prompt, bytes):
+        data = prompt[: reach * bs * 4]
+        prefix = Prefix(data, base, bs, chain_identities(data, reach, bs, base, None))
+    else:
+        prefix = Prefix(None, base, bs, ns.identities_of(prompt[:reach]))
+    out: Matched = []
+    for slot, gpu, cpu, disk in found:
+        limit = limits.get(slot)
+        owner = ns.slots[slot]
+        if limit is None or owner is None:
+            out.append((slot, gpu, cpu, disk))
+            continue
+        hit = hybrid_hit(list(owner.groups.values()), prefix, min(limit, len(prefix.idents)))
+        if hit < gpu:
+            out.append((slot, hit, hit, hit))
+        else:
+            out.append((slot, hit, max(hit, cpu), max(hit, disk)))
+    return out
+
+
+def _has_primary(ns: NamespaceIndex, slot: int) -> bool:
+    owner = ns.slots[slot]
+    return owner is not None and bool(owner.primary_block or ns.store.tier_len(slot, DEVICE))
 
 
 def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:

@@ -31,15 +31,39 @@ from typing import Any, NamedTuple, overload
 import msgspec
 
 from kvconductor.block_store import BlockStore
+from kvconductor.cache_groups import GroupState
 from kvconductor.index import Index, InstanceState
 from kvconductor.media import DEVICE, DISK, HOST
-from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, Owner, PoolStore, Unresolved
+from kvconductor.namespace_index import (
+    NO_EXTRAS,
+    NamespaceIndex,
+    NamespaceKey,
+    Owner,
+    OwnerExtras,
+    PoolStore,
+    Unresolved,
+)
 from kvconductor.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
 from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 
-SCHEMA_VERSION = 1
+# 2: tiers hold copies, owners their non-primary KV-cache groups (v1 units
+# read as sets without groups: docs/snapshot-format.md).
+SCHEMA_VERSION = 2
 # Packed hashes `completing` reads identities for in one step (~1 ms).
 CUT_PIECE_BYTES = 8 * 16_384
+
+
+class GroupUnit(msgspec.Struct, array_like=True, frozen=True):
+    """One non-primary KV-cache group of an owner (`cache_groups.GroupState`)."""
+
+    group: int
+    kind: str
+    block_size: int
+    window: int | None
+    # Packed u64, one entry per engine hash held: the hash, its key, copies.
+    seqs: bytes
+    keys: bytes
+    copies: bytes
 
 
 class OwnerUnit(msgspec.Struct, tag="owner", frozen=True):
@@ -48,6 +72,11 @@ class OwnerUnit(msgspec.Struct, tag="owner", frozen=True):
     # Per tier (device, host, disk): packed u64 sequence hashes and identities.
     seqs: list[bytes]
     idents: list[bytes]
+    # (tier, sequence hash, copies beyond the first), in that order.
+    copies: list[tuple[int, int, int]] = []
+    groups: list[GroupUnit] = []
+    # The primary group's largest block size seen; 0: none (or a v1 unit).
+    primary_block: int = 0
 
 
 class PoolUnit(msgspec.Struct, tag="pool", frozen=True):
@@ -103,9 +132,10 @@ class PendingUnit(msgspec.Struct, tag="pending", frozen=True):
 class InstanceUnit(msgspec.Struct, tag="instance", frozen=True):
     instance: str
     last_seq: dict[int, int]
-    skip_groups: list[int]
     namespaces: list[tuple[str, str, int, str | None, str]]
     last_event_ts: float
+    # KV-cache group -> its spec kind (v1's `skip_groups` is not read).
+    groups: dict[int, str] = {}
 
 
 class GenerationUnit(msgspec.Struct, tag="generation", frozen=True):
@@ -194,11 +224,49 @@ def export_owner(
         return None
     ns, owner = found
     store = ns.store
+    copies = sorted((tier, seq, n) for (tier, seq), n in owner.copies.items())
+    groups = [_group_unit(i, g) for i, g in sorted(owner.groups.items())]
     if at_cut:
         store.freeze_owner(owner.slot)
-        return CutUnit(store, OwnerUnit(instance, rank, [], []), owner.slot)
+        part = OwnerUnit(instance, rank, [], [], copies, groups, owner.primary_block)
+        return CutUnit(store, part, owner.slot)
     tiers = [store.export_owner(owner.slot, tier) for tier in (DEVICE, HOST, DISK)]
-    return OwnerUnit(instance, rank, [t[0] for t in tiers], [t[1] for t in tiers])
+    return OwnerUnit(
+        instance,
+        rank,
+        [t[0] for t in tiers],
+        [t[1] for t in tiers],
+        copies,
+        groups,
+        owner.primary_block,
+    )
+
+
+def _group_unit(idx: int, group: GroupState) -> GroupUnit:
+    held = sorted(group.held.items())
+    return GroupUnit(
+        idx,
+        group.kind,
+        group.block_size,
+        group.window,
+        pack_u64(seq for seq, _ in held),
+        pack_u64(e[0] for _, e in held),
+        pack_u64(e[1] for _, e in held),
+    )
+
+
+def owner_extras(unit: OwnerUnit) -> OwnerExtras:
+    """An owner unit's state beyond its tiers, for the namespace."""
+    groups: dict[int, GroupState] = {}
+    for g in unit.groups:
+        state = groups[g.group] = GroupState(g.kind, g.block_size, g.window)
+        seqs, keys, copies = unpack_u64(g.seqs), unpack_u64(g.keys), unpack_u64(g.copies)
+        if not len(seqs) == len(keys) == len(copies):
+            raise ValueError("a group's arrays differ in length")
+        for seq, key, n in zip(seqs, keys, copies, strict=True):
+            for _ in range(n):
+                state.add(seq, key)
+    return OwnerExtras({(t, seq): n for t, seq, n in unit.copies}, groups, unit.primary_block)
 
 
 def export_pool(
@@ -304,9 +372,9 @@ def export_instance(index: Index, instance: str) -> InstanceUnit | None:
     return InstanceUnit(
         instance,
         dict(state.last_seq),
-        sorted(state.skip_groups),
         sorted((ns_fields(k) for k in state.namespaces), key=repr),
         state.last_event_ts,
+        dict(sorted(state.groups.items())),
     )
 
 
@@ -379,12 +447,7 @@ def restore(
             spaces = [NamespaceKey(*f) for f in unit.namespaces]
             if keep is not None and not any(keep(k) for k in spaces):
                 continue
-            state = InstanceState()
-            state.last_seq = dict(unit.last_seq)
-            state.skip_groups = set(unit.skip_groups)
-            state.namespaces = set(spaces)
-            state.last_event_ts = unit.last_event_ts
-            index.instances[unit.instance] = state
+            index.instances[unit.instance] = _instance_state(unit)
             restored_instances.add(unit.instance)
         elif isinstance(unit, GenerationUnit):
             index.now = max(index.now, unit.clock)
@@ -402,7 +465,7 @@ def restore(
         for _, unit in ns_units:
             if isinstance(unit, OwnerUnit):
                 tiers = [(unit.seqs[t], unit.idents[t]) for t in (DEVICE, HOST, DISK)]
-                owners.append((unit.instance, unit.rank, tiers))
+                owners.append((unit.instance, unit.rank, tiers, owner_extras(unit)))
             elif isinstance(unit, PoolUnit):
                 pools.append((unit.backend, unit.medium, unit.tier, unit.seqs, unit.idents))
             elif isinstance(unit, PendingUnit):
@@ -438,6 +501,7 @@ def drop_namespaces(index: Index, drop: Callable[[NamespaceKey], bool]) -> None:
 def _restore_owner(ns: NamespaceIndex, unit: OwnerUnit) -> None:
     """Place one owner unit block by block (into a namespace that holds more)."""
     owner = ns.restored_owner(unit.instance, unit.rank)
+    ns.set_extras(owner, owner_extras(unit))
     for tier in (DEVICE, HOST, DISK):
         seqs = unpack_u64(unit.seqs[tier])
         if seqs:
@@ -490,7 +554,7 @@ def _canonical(unit: Unit) -> Unit:
             pairs = sorted(zip(unpack_u64(s), unpack_u64(i), strict=True))
             seqs.append(pack_u64([p[0] for p in pairs]))
             idents.append(pack_u64([p[1] for p in pairs]))
-        return OwnerUnit(unit.instance, unit.rank, seqs, idents)
+        return msgspec.structs.replace(unit, seqs=seqs, idents=idents)
     if isinstance(unit, PoolUnit):
         pairs = sorted(zip(unpack_u64(unit.seqs), unpack_u64(unit.idents), strict=True))
         return PoolUnit(
@@ -501,7 +565,7 @@ def _canonical(unit: Unit) -> Unit:
             pack_u64([p[1] for p in pairs]),
         )
     if isinstance(unit, InstanceUnit):
-        return InstanceUnit(unit.instance, unit.last_seq, unit.skip_groups, unit.namespaces, 0.0)
+        return msgspec.structs.replace(unit, last_event_ts=0.0)
     if isinstance(unit, PendingUnit):
         # Arrival order and times across partitions depend on fetch
         # interleaving: compare what is pending, not when it arrived.
@@ -573,7 +637,7 @@ def replace_unit(index: Index, key: UnitKey, unit: Unit | None) -> None:
 def _instance_state(unit: InstanceUnit) -> InstanceState:
     state = InstanceState()
     state.last_seq = dict(unit.last_seq)
-    state.skip_groups = set(unit.skip_groups)
+    state.groups = dict(unit.groups)
     state.namespaces = {NamespaceKey(*f) for f in unit.namespaces}
     state.last_event_ts = unit.last_event_ts
     return state
@@ -604,6 +668,7 @@ def _apply_namespace(
                 owner = ns.owners.get(key[6], {}).get(key[7])
                 if owner is not None:
                     ns.store.clear_owner(owner.slot)
+                    ns.set_extras(owner, NO_EXTRAS)
                     ns._retire_if_empty(owner)
             elif key[0] == "p":
                 store = ns.pools.get((key[6], key[7]))

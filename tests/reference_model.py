@@ -10,7 +10,10 @@ namespace (a tuple of tuples). Two blocks match iff these tuples are equal.
 
 State per namespace:
 
-- ``own[(instance, rank, tier)]``: ``{seq: chain}``, an engine rank's tier.
+- ``own[(instance, rank, tier)]``: ``{seq: chain}``, an engine rank's tier;
+  ``copies[(instance, rank, tier, seq)]``: how many copies beyond the first
+  it holds (contract v2: a store of a held block adds a copy, a removal
+  takes one, a store from the root of blocks all held is a re-announcement).
 - ``pools[(backend, medium)]``: ``{seq: chain}``, a pool store; its class
   (host or disk) follows from the medium name.
 - ``intents``: ``{seq: chain}``, offload intents pinning their content
@@ -97,6 +100,7 @@ def token_blocks(tokens: list[int], block_size: int) -> list[tuple[int, ...]]:
 class NsModel:
     def __init__(self) -> None:
         self.own: dict[tuple[str, int, int], dict[int, Chain]] = {}
+        self.copies: dict[tuple[str, int, int, int], int] = {}
         self.pools: dict[tuple[str, str], dict[int, Chain]] = {}
         self.intents: dict[int, Chain] = {}
         self.waiting: set[tuple[int, Target]] = set()
@@ -208,7 +212,16 @@ class NsModel:
             if seq is None or s == seq:
                 rec[2] = {t for t in rec[2] if not match(t)}
 
+    def add_copies(self, instance: str, rank: int, tier: int, held: list[int]) -> None:
+        for seq in held:
+            key = (instance, rank, tier, seq)
+            self.copies[key] = self.copies.get(key, 0) + 1
+
     def remove_own(self, instance: str, rank: int, tier: int, seq: int) -> None:
+        key = (instance, rank, tier, seq)
+        if self.copies.get(key):
+            self.copies[key] -= 1
+            return
         self.own.get((instance, rank, tier), {}).pop(seq, None)
         target = ("own", instance, rank, tier)
         self.cancel(seq, lambda t: t == target)
@@ -217,6 +230,11 @@ class NsModel:
         for key in list(self.own):
             if key[0] == instance and (rank is None or key[1] == rank):
                 del self.own[key]
+        self.copies = {
+            k: n
+            for k, n in self.copies.items()
+            if not (k[0] == instance and (rank is None or k[1] == rank))
+        }
         self.cancel(
             None,
             lambda t: t[0] == "own" and t[1] == instance and (rank is None or t[2] == rank),
@@ -344,6 +362,11 @@ class ReferenceModel:
         ns = self._ns((meta.tenant, meta.model, meta.block_size, ev.lora_name, meta.salt))
         intent = meta.offload_pool and tier != DEVICE
         target: Target = ("intent",) if intent else ("own", instance, rank, tier)
+        if not intent:
+            mine = ns.own.get((instance, rank, tier), {})
+            held = [seq for seq in ev.block_hashes if seq in mine]
+            if not (ev.parent_block_hash is None and len(held) == len(ev.block_hashes)):
+                ns.add_copies(instance, rank, tier, held)
         if ev.token_ids:
             blocks = token_blocks(ev.token_ids, meta.block_size)
             ns.store_chain(target, list(ev.block_hashes), ev.parent_block_hash, blocks)

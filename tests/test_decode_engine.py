@@ -214,6 +214,7 @@ def test_map_form_newest_fields_and_unknown_keys_are_tolerated() -> None:
         extra_keys=[None, fp([["img-1", 0]])],
         group_idx=1,
         spec_kind="sliding_window",
+        sliding_window=4096,
     )
     assert got.events[1] == BlockRemoved([2], "CPU", None)
     assert got.events[2] == AllBlocksCleared(medium="CPU")
@@ -757,6 +758,7 @@ def test_struct_field_orders_the_decoder_relies_on() -> None:
         "extra_keys",
         "group_idx",
         "spec_kind",
+        "sliding_window",
     )
     assert BlockRemoved.__struct_fields__ == ("block_hashes", "medium", "group_idx")
     # The array form's positions, and the lax (bigram) variant keeps them.

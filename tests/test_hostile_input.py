@@ -756,7 +756,7 @@ def test_names_longer_than_max_name_are_rejected(where: str, field: str) -> None
 @pytest.mark.parametrize("form", ["map", "array"])
 @pytest.mark.parametrize("tag", ["BlockStored", "BlockRemoved"])
 def test_group_indexes_above_max_group_idx_are_rejected(form: str, tag: str) -> None:
-    """Each skipped group index is kept per instance: like dp ranks, they
+    """Each group index is kept per instance: like dp ranks, they
     stop at 2**16 (engines count their KV cache groups from 0)."""
     conductor = Conductor()
     for group, want in ((MAX_GROUP_IDX, "applied"), (MAX_GROUP_IDX + 1, "rejected")):
@@ -765,7 +765,7 @@ def test_group_indexes_above_max_group_idx_are_rejected(form: str, tag: str) -> 
             ev["kv_cache_spec_kind"] = "sliding_window"
         rec = engine_record(b"i0", [ev if form == "map" else as_array(ev)])
         assert ingest(conductor, rec) == want
-    assert all(len(s.skip_groups) <= 1 for s in conductor.index.instances.values())
+    assert all(len(s.groups) <= 1 for s in conductor.index.instances.values())
 
 
 def _spliced(ev: dict[str, Any], field: str, depth: int) -> bytes:

@@ -240,15 +240,29 @@ def test_dp_rank_from_header_when_payload_rank_is_null() -> None:
     assert ask(ix)["default"]["a"]["DP"] == {"3": 4}  # type: ignore[index]
 
 
-def test_block_size_mismatch_and_non_prefix_groups_are_skipped() -> None:
+def test_block_sizes_and_group_specs() -> None:
+    """A primary-group block a multiple of `kv-block-size` is held unit by
+    unit; a block size that is neither a multiple nor a divisor, a smaller
+    primary block (a partial key off the alignment), a sliding window
+    without its window and a group that changes kind are skipped and
+    counted; non-prefix-cacheable groups are skipped."""
     ix = Index()
-    engine(ix, "a", BlockStored([1], None, PROMPT[:8], 8))
-    engine(ix, "a", BlockStored([2], None, PROMPT[:4], BS, group_idx=1, spec_kind="sliding_window"))
-    engine(ix, "a", BlockStored([3], None, PROMPT[:4], BS, group_idx=0, spec_kind="full_attention"))
-    engine(ix, "a", BlockRemoved([3], group_idx=1))  # the sliding-window group: ignored
-    assert hits(ix) == (4, 4, 4)
+    engine(ix, "a", BlockStored([1], None, PROMPT[:8], 2 * BS))
+    assert hits(ix) == (8, 8, 8)
+    engine(ix, "a", BlockStored([2], None, PROMPT[:6], 6))
+    engine(ix, "a", BlockStored([3], None, PROMPT[:2], 2))
     assert ix.counters["block_size_mismatch"] == 1
+    assert ix.counters["partial_blocks_skipped"] == 1
+    engine(ix, "a", BlockStored([4], None, PROMPT[:4], BS, group_idx=1, spec_kind="sliding_window"))
+    assert ix.counters["bad_group_spec"] == 1
+    engine(ix, "a", BlockStored([5], None, PROMPT[:4], BS, group_idx=1, spec_kind="mamba"))
+    assert ix.counters["group_kind_changed"] == 1
+    engine(ix, "a", BlockStored([6], None, PROMPT[:4], BS, group_idx=2, spec_kind="cross_attention"))
+    engine(ix, "a", BlockRemoved([6], group_idx=2))
     assert ix.counters["non_prefix_group_skipped"] == 2
+    # The removal of the 8-token block takes both its units.
+    engine(ix, "a", BlockRemoved([1], group_idx=0))
+    assert ask(ix) == {}
 
 
 # ---------------------------------------------------------------- section 3

@@ -111,7 +111,7 @@ def structure(index: Index) -> dict[Any, Any]:
             "retired": sorted(seq for seq, _ in dump["retired"]),
         }
     instances = {
-        name: (dict(s.last_seq), sorted(s.skip_groups), sorted(s.namespaces, key=repr))
+        name: (dict(s.last_seq), sorted(s.groups.items()), sorted(s.namespaces, key=repr))
         for name, s in index.instances.items()
     }
     return {"namespaces": out, "instances": instances}
