@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -13,12 +18,14 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from kvconductor.config import Config, load_config
 from kvconductor.daemon import Daemon
 
 # The fixtures the tests read live in the repository (tests/fixtures/README.md).
-FIXTURE_ROOT = Path(__file__).resolve().parent / "fixtures"
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_ROOT = ROOT / "tests" / "fixtures"
 FIXTURES = FIXTURE_ROOT / "vllm"
 
 Record = tuple[str, bytes, list[tuple[str, bytes]]]  # key, value, headers
@@ -146,3 +153,123 @@ def removed(hashes: list[int], medium: str = "GPU") -> dict[str, Any]:
 
 def pool_payload(events: list[dict[str, Any]], ts: float = 1.0) -> bytes:
     return msgspec.msgpack.encode([ts, events, 0])
+
+
+def write_daemon_config(path: Path, bootstrap: str, port: int, prefix: str = "crash") -> None:
+    """A daemon configuration file with topics of its own, snapshots every
+    0.3 s and a JSON log (`DaemonLives` reads it)."""
+    tag = uuid.uuid4().hex[:8]
+    path.write_text(
+        f"""
+[kafka]
+bootstrap_servers = "{bootstrap}"
+engine_topic = "{prefix}-events-{tag}"
+pool_topic = "{prefix}-pool-{tag}"
+snapshot_topic = "{prefix}-snapshots-{tag}"
+dead_letter_topic = "{prefix}-dead-{tag}"
+group_id = "{prefix}-{tag}"
+client_id = "{prefix}-{tag}"
+partitions = 3
+
+[http]
+port = {port}
+
+[snapshot]
+interval_s = 0.3
+
+[log]
+level = "info"
+format = "json"
+"""
+    )
+
+
+class DaemonLives:
+    """Daemon subprocesses, one after another, with their logs."""
+
+    def __init__(self, config: Path, logs: Path) -> None:
+        self.config = config
+        self.logs = logs
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.n = 0
+
+    def start(self, group_id: str, client_id: str) -> None:
+        self.n += 1
+        log = (self.logs / f"life-{self.n:02d}.log").open("wb")
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "KVCONDUCTOR_KAFKA_GROUP_ID": group_id,
+            "KVCONDUCTOR_KAFKA_CLIENT_ID": client_id,
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvconductor.cli", "run", "--config", str(self.config)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        log.close()
+
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 30) -> int:
+        proc = self.proc
+        assert proc is not None
+        proc.send_signal(sig)
+        code = proc.wait(timeout)
+        self.proc = None
+        return code
+
+    def phases(self) -> dict[str, int]:
+        """How far each life got before it was killed."""
+        out = {"before restore": 0, "restored": 0, "published": 0}
+        for events in self.events():
+            if "snapshot published" in events:
+                out["published"] += 1
+            elif "snapshot restored" in events:
+                out["restored"] += 1
+            else:
+                out["before restore"] += 1
+        return out
+
+    def events(self) -> list[list[str]]:
+        out = []
+        for path in sorted(self.logs.glob("life-*.log")):
+            events = []
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    events.append(json.loads(line).get("event", ""))
+                except ValueError:
+                    continue
+            out.append(events)
+        return out
+
+    def published(self) -> int:
+        """Generations published so far, by every life."""
+        return sum(events.count("snapshot published") for events in self.events())
+
+    def summary(self) -> str:
+        """One line a life: generations published, the first events logged."""
+        lines = []
+        for n, events in enumerate(self.events(), 1):
+            published = events.count("snapshot published")
+            firsts = [e for e in events if e != "snapshot published"][:4]
+            lines.append(f"  life {n:2d}: {published:3d} generations; {firsts}")
+        return "\n".join(lines)
+
+
+async def create_event_topics(bootstrap: str, cfg: Config) -> None:
+    """The event topics exist before the first daemon, so the producer can
+    start at once (the daemon keeps existing topics)."""
+    k = cfg.kafka
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [
+                NewTopic(k.engine_topic, 3, 1),
+                NewTopic(k.pool_topic, 3, 1),
+                NewTopic(k.snapshot_topic, 1, 1, topic_configs={"cleanup.policy": "compact"}),
+            ]
+        )
+    finally:
+        await admin.close()

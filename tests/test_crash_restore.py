@@ -21,13 +21,9 @@ stores, pending halves, retired content, instance positions).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from array import array
@@ -36,7 +32,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from kvconductor import kafka_local
 from kvconductor.config import load_config
@@ -49,7 +44,14 @@ from kvconductor.snapshots import (
     retired_entries,
     state_fingerprint,
 )
-from tests.harness import http_json, produce, wait_for
+from tests.harness import (
+    DaemonLives,
+    create_event_topics,
+    http_json,
+    produce,
+    wait_for,
+    write_daemon_config,
+)
 from tests.streams import (
     end_offsets,
     fingerprint_diff,
@@ -66,51 +68,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SEQ_GAP = "kv-seq gap: messages missing from the engine's stream"
 KILLS = 24
 SEED = 21
-
-
-def write_config(path: Path, bootstrap: str, port: int) -> None:
-    tag = uuid.uuid4().hex[:8]
-    path.write_text(
-        f"""
-[kafka]
-bootstrap_servers = "{bootstrap}"
-engine_topic = "crash-events-{tag}"
-pool_topic = "crash-pool-{tag}"
-snapshot_topic = "crash-snapshots-{tag}"
-dead_letter_topic = "crash-dead-{tag}"
-group_id = "crash-{tag}"
-client_id = "crash-{tag}"
-partitions = 3
-
-[http]
-port = {port}
-
-[snapshot]
-interval_s = 0.3
-
-[log]
-level = "info"
-format = "json"
-"""
-    )
-
-
-async def create_topics(bootstrap: str, cfg: Any) -> None:
-    """The event topics exist before the first daemon, so the producer can
-    start at once (the daemon keeps existing topics)."""
-    k = cfg.kafka
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [
-                NewTopic(k.engine_topic, 3, 1),
-                NewTopic(k.pool_topic, 3, 1),
-                NewTopic(k.snapshot_topic, 1, 1, topic_configs={"cleanup.policy": "compact"}),
-            ]
-        )
-    finally:
-        await admin.close()
 
 
 def blocks(packed: bytes) -> set[int]:
@@ -151,75 +108,6 @@ def explain(got: dict[Any, bytes], want: dict[Any, bytes]) -> list[str]:
     return out
 
 
-class Lives:
-    """Daemon subprocesses, one after another, with their logs."""
-
-    def __init__(self, config: Path, logs: Path) -> None:
-        self.config = config
-        self.logs = logs
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.n = 0
-
-    def start(self, group_id: str, client_id: str) -> None:
-        self.n += 1
-        log = (self.logs / f"life-{self.n:02d}.log").open("wb")
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "KVCONDUCTOR_KAFKA_GROUP_ID": group_id,
-            "KVCONDUCTOR_KAFKA_CLIENT_ID": client_id,
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconductor.cli", "run", "--config", str(self.config)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        log.close()
-
-    def kill(self, sig: int = signal.SIGKILL, timeout: float = 30) -> int:
-        proc = self.proc
-        assert proc is not None
-        proc.send_signal(sig)
-        code = proc.wait(timeout)
-        self.proc = None
-        return code
-
-    def phases(self) -> dict[str, int]:
-        """How far each life got before it was killed."""
-        out = {"before restore": 0, "restored": 0, "published": 0}
-        for events in self.events():
-            if "snapshot published" in events:
-                out["published"] += 1
-            elif "snapshot restored" in events:
-                out["restored"] += 1
-            else:
-                out["before restore"] += 1
-        return out
-
-    def events(self) -> list[list[str]]:
-        out = []
-        for path in sorted(self.logs.glob("life-*.log")):
-            events = []
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    events.append(json.loads(line).get("event", ""))
-                except ValueError:
-                    continue
-            out.append(events)
-        return out
-
-    def summary(self) -> str:
-        """One line a life: generations published, the first events logged."""
-        lines = []
-        for n, events in enumerate(self.events(), 1):
-            published = events.count("snapshot published")
-            firsts = [e for e in events if e != "snapshot published"][:4]
-            lines.append(f"  life {n:2d}: {published:3d} generations; {firsts}")
-        return "\n".join(lines)
-
-
 async def test_sigkill_at_random_points_loses_nothing_and_applies_nothing_twice(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
@@ -227,10 +115,10 @@ async def test_sigkill_at_random_points_loses_nothing_and_applies_nothing_twice(
     rng = random.Random(SEED)
     (port,) = kafka_local.free_ports(1)
     config = tmp_path / "kvconductor.toml"
-    write_config(config, kafka_bootstrap, port)
+    write_daemon_config(config, kafka_bootstrap, port)
     cfg = load_config(config)
     k = cfg.kafka
-    await create_topics(kafka_bootstrap, cfg)
+    await create_event_topics(kafka_bootstrap, cfg)
     engine, pool = mixed_stream(SEED, 6000)
     slices = 100
 
@@ -248,7 +136,7 @@ async def test_sigkill_at_random_points_loses_nothing_and_applies_nothing_twice(
 
     follower = Replica(cfg, follow="snapshots")
     await follower.start()
-    lives = Lives(config, tmp_path)
+    lives = DaemonLives(config, tmp_path)
     feeding = asyncio.create_task(feed())
     # The snapshot producer's transactional id is "<group_id>-<client_id>".
     # A killed daemon stays in its consumer group until its session times out

@@ -257,7 +257,9 @@ def test_block_sizes_and_group_specs() -> None:
     assert ix.counters["bad_group_spec"] == 1
     engine(ix, "a", BlockStored([5], None, PROMPT[:4], BS, group_idx=1, spec_kind="mamba"))
     assert ix.counters["group_kind_changed"] == 1
-    engine(ix, "a", BlockStored([6], None, PROMPT[:4], BS, group_idx=2, spec_kind="cross_attention"))
+    engine(
+        ix, "a", BlockStored([6], None, PROMPT[:4], BS, group_idx=2, spec_kind="cross_attention")
+    )
     engine(ix, "a", BlockRemoved([6], group_idx=2))
     assert ix.counters["non_prefix_group_skipped"] == 2
     # The removal of the 8-token block takes both its units.
