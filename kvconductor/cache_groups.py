@@ -47,8 +47,6 @@ STATE_KINDS = frozenset({"mamba"})
 LOCAL_KINDS = frozenset({"chunked_local_attention", "chunked_local"})
 # Not prefix-cacheable: vLLM neither caches nor looks these groups up.
 UNCACHED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
-# Checked at each candidate hit point; every other kind caps it by its run.
-POINTWISE_KINDS = WINDOW_KINDS | STATE_KINDS | LOCAL_KINDS
 KNOWN_KINDS = FULL_KINDS | WINDOW_KINDS | STATE_KINDS | LOCAL_KINDS | UNCACHED_KINDS
 
 # A window or chunk beyond this many tokens is taken as a bad spec.
@@ -169,6 +167,17 @@ class GroupState:
 
     # ---------------------------------------------------------- the hit
 
+    def pointwise(self) -> bool:
+        """Checked at each candidate hit point (else its run caps the hit).
+        A chunked local group without its chunk size is taken as full
+        attention over its own blocks."""
+        kind = self.kind
+        return (
+            kind in STATE_KINDS
+            or kind in WINDOW_KINDS
+            or (kind in LOCAL_KINDS and bool(self.window))
+        )
+
     def _has(self, end: int, prefix: Prefix) -> bool:
         key = prefix.key(end)
         return key is not None and key in self.keys
@@ -208,9 +217,9 @@ def hybrid_hit(groups: Sequence[GroupState], prefix: Prefix, limit: int) -> int:
     largest multiple of it not above any full-attention group's run at which
     every other group's rule holds (kv_cache_coordinator's fixed point, in
     one pass)."""
-    pointwise = [g for g in groups if g.kind in POINTWISE_KINDS]
+    pointwise = [g for g in groups if g.pointwise()]
     for g in groups:
-        if g.kind not in POINTWISE_KINDS:
+        if not g.pointwise():
             limit = min(limit, g.full_run(prefix, limit))
     # Mamba first: one lookup a point, and most points have no state.
     pointwise.sort(key=lambda g: g.kind not in STATE_KINDS)
@@ -243,6 +252,9 @@ def locate(
     the catalog, so the span then starts on one."""
     packed = token_ids if isinstance(token_ids, bytes) else pack_tokens(token_ids)
     span = len(packed) // 4 // block_size * block_size
+    n = len(seqs)
+    if n * block_size > span and token_ids:
+        return [None] * n  # more blocks listed than the tokens hold
     known = [ident_of(seq) for seq in seqs]
     base = seed if parent is None else ident_of(parent)
     if base is None or not span:
@@ -250,7 +262,6 @@ def locate(
         return known
     units = span // align
     prefix = Prefix(packed, base, align, chain_identities(packed, units, align, base, None))
-    n = len(seqs)
     if n * block_size == span:
         ends: list[int | None] = [(k + 1) * block_size for k in range(n)]
     else:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -36,7 +37,7 @@ from kvconductor.config import Config, load_config
 from kvconductor.core import Conductor
 from kvconductor.query_wire import TokenQuery
 from kvconductor.replica import Replica
-from kvconductor.snapshots import UnitKey, state_fingerprint
+from kvconductor.snapshots import InstanceUnit, OwnerUnit, UnitKey, decode_unit, state_fingerprint
 from tests.bridge_fakes import FakePublisher, bridge_config, publisher, running_bridge
 from tests.harness import (
     FIXTURE_ROOT,
@@ -44,6 +45,7 @@ from tests.harness import (
     create_event_topics,
     daemon_config,
     http_json,
+    removed,
     running,
     stored,
     vllm_payload,
@@ -407,3 +409,127 @@ async def test_a_real_vllm_through_its_zmq_socket_the_bridge_and_the_daemon(
             await asyncio.sleep(0)
     finally:
         await pub.close()
+
+
+# ------------------------------------------------------- rules, in process
+
+BS = 4
+TOKENS = list(range(100, 132))  # eight blocks of four
+
+
+def record(conductor: Conductor, *events: dict[str, Any], instance: str = "i0") -> None:
+    payload = vllm_payload(list(events))
+    conductor.ingest_engine_record(
+        instance, [("kv-model", b"m"), ("kv-block-size", b"4")], payload, 1.0
+    )
+
+
+def gpu(conductor: Conductor, tokens: list[int] = TOKENS, instance: str = "i0") -> int:
+    answer = conductor.query(TokenQuery(model="m", block_size=BS, token_ids=tokens))
+    return gpu_of(answer, instance)
+
+
+def group_store(
+    hashes: list[int], tokens: list[int], group: int, kind: str, **kw: Any
+) -> dict[str, Any]:
+    return {
+        **stored(
+            hashes, tokens, parent=kw.pop("parent", None), block_size=kw.pop("block_size", BS)
+        ),
+        "group_idx": group,
+        "kv_cache_spec_kind": kind,
+        **kw,
+    }
+
+
+def test_a_removal_takes_one_copy_and_a_reannouncement_adds_none() -> None:
+    conductor = Conductor()
+    record(conductor, stored([1, 2], TOKENS[:8]))
+    record(conductor, stored([2], TOKENS[4:8], parent=1))  # block 2 recomputed: a copy
+    record(conductor, removed([2]))
+    assert gpu(conductor) == 8
+    record(conductor, removed([2]))
+    assert gpu(conductor) == 4
+    # From the first block, all held: vLLM re-announcing, not new copies.
+    record(conductor, stored([1], TOKENS[:4]))
+    record(conductor, removed([1]))
+    assert gpu(conductor) == 0
+
+
+def test_a_window_group_cuts_the_full_attention_prefix() -> None:
+    conductor = Conductor()
+    hashes = list(range(1, 9))
+    record(
+        conductor,
+        stored(hashes, TOKENS),
+        # A window of 8 tokens needs the 2 blocks ending at the hit point.
+        group_store([3, 4, 7, 8], TOKENS, 1, "sliding_window", kv_cache_spec_sliding_window=9),
+    )
+    assert gpu(conductor) == 32
+    record(conductor, {**removed([7]), "group_idx": 1})
+    assert gpu(conductor) == 16  # 32 lacks block 7, 16 has 3 and 4
+    record(conductor, {**removed([3]), "group_idx": 1})
+    assert gpu(conductor) == 0
+    # The group's removals never touch the primary group's copy of a hash.
+    assert (
+        gpu_of(conductor.query(TokenQuery(model="m", block_size=BS, token_ids=TOKENS[:4])), "i0")
+        == 0
+    )
+    record(conductor, {**removed([1]), "group_idx": 1})
+    assert conductor.counters["removal_unknown"] == 1
+
+
+def test_a_state_group_needs_the_state_at_the_hit_point() -> None:
+    conductor = Conductor()
+    # Hash 5 is the primary group's fifth block: the state ends there.
+    record(conductor, stored(list(range(1, 9)), TOKENS), group_store([5], TOKENS, 1, "mamba"))
+    assert gpu(conductor) == 20
+    # A hash no group named before ends at its store's span end.
+    record(conductor, group_store([20], TOKENS[:8], 1, "mamba"))
+    assert gpu(conductor, TOKENS[:16]) == 8
+    record(conductor, {**removed([5]), "group_idx": 1})
+    assert gpu(conductor) == 8
+
+
+def test_unknown_and_local_kinds_and_bad_specs() -> None:
+    conductor = Conductor()
+    record(
+        conductor,
+        stored(list(range(1, 9)), TOKENS),
+        group_store([1, 2], TOKENS[:8], 1, "some_new_kind"),
+        group_store([3], TOKENS[:12], 2, "chunked_local_attention"),
+        group_store([4], TOKENS[:16], 3, "sliding_window", kv_cache_spec_sliding_window=0),
+        group_store([1, 2, 3], TOKENS[:8], 4, "sliding_window", kv_cache_spec_sliding_window=5),
+    )
+    assert conductor.counters["unknown_group_kind"] == 1
+    assert conductor.counters["bad_group_spec"] == 1
+    assert conductor.counters["group_blocks_unplaced"] == 3  # three hashes, two blocks of tokens
+    # The unknown kind caps like full attention (two blocks); the local group
+    # without its chunk too (none from the first block: nothing).
+    assert gpu(conductor) == 0
+
+
+def test_a_v1_snapshot_reads_as_sets_without_groups() -> None:
+    v1_owner = msgspec.msgpack.encode(
+        {
+            "type": "owner",
+            "instance": "i0",
+            "rank": 0,
+            "seqs": [b"", b"", b""],
+            "idents": [b"", b"", b""],
+        }
+    )
+    owner = decode_unit(v1_owner)
+    assert isinstance(owner, OwnerUnit) and owner.copies == [] and owner.groups == []
+    v1_instance = msgspec.msgpack.encode(
+        {
+            "type": "instance",
+            "instance": "i0",
+            "last_seq": {0: 4},
+            "skip_groups": [1],
+            "namespaces": [],
+            "last_event_ts": 1.0,
+        }
+    )
+    instance = decode_unit(v1_instance)
+    assert isinstance(instance, InstanceUnit) and instance.groups == {}
