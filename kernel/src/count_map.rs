@@ -5,7 +5,7 @@
 //! pairs, so that a probe reads one cache line where a SwissTable reads its
 //! control bytes and then its bucket, and so that the walk can prefetch a
 //! chunk of blocks' lines before it reads any (see `store::GATHER`): at
-//! four million entries hashbrown's two dependent misses per probe were
+//! millions of entries hashbrown's two dependent misses per probe were
 //! most of a query. A value of 0 marks an empty slot (a key whose value
 //! drops to 0 is removed), and deletion shifts the run back, so there are
 //! no tombstones. Keys are hashed with foldhash's per-process random seed,
@@ -13,8 +13,8 @@
 //!
 //! A large map is split into `SHARDS` tables by the top bits of the hash
 //! (the low bits place a key within its table), so that growing doubles one
-//! table, not all of them: at a million keys one doubling stopped the event
-//! loop for 10-40 ms (see `sharded::SPLIT_AT`).
+//! table, not all of them: at a million keys one doubling of all of them
+//! stopped the event loop for a noticeable pause (see `sharded`).
 
 use std::hash::BuildHasher;
 

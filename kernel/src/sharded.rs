@@ -1,8 +1,8 @@
 //! Maps that grow a part at a time.
 //!
-//! A hash table grows by doubling, which rehashes every key at once: the
-//! catalog's doubling at 1.8 million blocks held one record's apply (and the
-//! daemon's event loop) for 104 ms, at 4 million about twice that. Past
+//! A hash table grows by doubling, which rehashes every key at once: at
+//! millions of blocks the catalog's doubling held one record's apply (and
+//! the daemon's event loop) for longer than a query may wait. Past
 //! `SPLIT_AT` keys a map is split into `SHARDS` tables by the top bits of an
 //! independently seeded hash, so one doubling rehashes a sixty-fourth of
 //! the keys; the total work and the memory are the same. Small maps (most
@@ -16,7 +16,7 @@ use hashbrown::HashMap;
 
 const SHARD_BITS: u32 = 6;
 pub const SHARDS: usize = 1 << SHARD_BITS;
-/// Keys at which a map splits: its doubling then costs about a millisecond.
+/// Keys at which a map splits: small enough that one doubling is short.
 pub const SPLIT_AT: usize = 1 << 16;
 
 /// The shard of a key hashed to `h` (its top bits), once a map is split.

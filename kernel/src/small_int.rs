@@ -1,7 +1,7 @@
 //! A small int's value read from the int object itself.
 //!
-//! `PyLong_AsUnsignedLong` is a call into the interpreter for each token: at
-//! 8,192 tokens a prompt, about 5 ns each, a sixth of an in-process query.
+//! `PyLong_AsUnsignedLong` is a call into the interpreter for each token, and
+//! a long prompt has thousands: a sizeable share of an in-process query.
 //! CPython 3.11 keeps an int as a signed digit count followed by its 30-bit
 //! digits, so one in [0, 2**30) (every token id of a real vocabulary) is a
 //! count of 0 or 1 and one digit. Later versions changed the layout; there,
