@@ -195,3 +195,31 @@ def test_the_build_stage_replayed_in_a_scratch_folder_makes_a_wheel_with_the_ker
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "compiled"
+
+
+@pytest.mark.kafka
+async def test_the_images_command_says_which_query_path_runs(kafka_bootstrap: str) -> None:
+    """The image's CMD, run here with its config file and ENV (but on 127.0.0.1
+    and topics of its own): its start-up line names the query path."""
+    from kvconductor.kernel import STATUS
+    from tests.harness import daemon_config
+    from tests.test_cli import cfg_env
+    from tests.test_compose import image_env
+    from tests.test_kafka_security import service
+
+    final = stages()["final"]
+    (config_copy,) = [dest for sources, dest in copies(final) if sources == ["config/"]]
+    command = json.loads(final.each("CMD")[-1])
+    at = command.index("--config") + 1
+    command[at] = str(REPO / "config" / command[at][len(config_copy) :])
+    env = {
+        **cfg_env(daemon_config(kafka_bootstrap)),
+        **image_env(),
+        "KVCONDUCTOR_HTTP_HOST": "127.0.0.1",
+        "KVCONDUCTOR_HTTP_PORT": "0",
+    }
+    assert command[0] == "kvconductor"
+    async with service(*command[1:], env=env) as daemon:
+        await daemon.http_port("http listening")
+        (line,) = [e for e in daemon.events() if e.get("event") == "http listening"]
+    assert line["query_path"] == STATUS
