@@ -8,19 +8,39 @@
 # Configuration: /etc/kvconductor/*.toml (the repository's config/ folder),
 # overridden by KVCONDUCTOR_<SECTION>_<KEY> environment variables
 # (docs/configuration.md).
+#
+# The image runs the compiled query kernel (kernel/, built by the Rust stage
+# below); the build fails rather than ship the slower pure-Python path, and
+# the daemon's start-up line says which path runs (`query_path=compiled`).
+# tests/test_dockerfile.py replays the build stage from the repository's files.
+
+FROM rust:1-slim AS rust
 
 FROM python:3.12-slim AS build
+# Rust's toolchain from the stage above, and a C linker for it.
+COPY --from=rust /usr/local/cargo /usr/local/cargo
+COPY --from=rust /usr/local/rustup /usr/local/rustup
+ENV CARGO_HOME=/usr/local/cargo \
+    RUSTUP_HOME=/usr/local/rustup \
+    PATH=/usr/local/cargo/bin:$PATH
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY kernel ./kernel
 COPY kvconductor ./kvconductor
 COPY consumers ./consumers
-# Wheels of kvconductor and of every dependency, so the runtime stage needs no compiler.
+COPY bench ./bench
+# Wheels of kvconductor (with its compiled kernel) and of every dependency,
+# so the runtime stage needs no compiler.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.12-slim
 RUN useradd --system --uid 10001 --no-create-home kvconductor
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links /wheels kvconductor && rm -rf /wheels
+# The kernel is optional at install (pyproject.toml): here its absence is a build error.
+RUN python -c "from kvconductor.kernel import KERNEL, STATUS; assert KERNEL, STATUS; print(STATUS)"
 COPY config/ /etc/kvconductor/
 # Listen on every interface inside the container; logs as JSON lines.
 ENV KVCONDUCTOR_HTTP_HOST=0.0.0.0 \

@@ -71,15 +71,14 @@ SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
 POLL_S = 0.002  # probe poll: the latency figure's resolution, with one round trip
 PROBE_EVERY_S = 0.025
 # Delivery futures are checked (and the settled ones dropped) after this many
-# sends while sending: gathering a half-load phase's ~36k at its end took the
-# driver ~90 ms of CPU in one step, which the phase's last probes waited out.
+# sends while sending: gathering a whole half-load phase's at its end held the
+# driver in one long step, which the phase's last probes waited out.
 ACKS_CHECKED_EVERY = 1024
 STALL_S = 120.0  # no progress for this long: the run failed
 # Warm-up runs end once the broker's just-in-time compiler took less than
 # this share of a core in one's half load. A broker the benchmark has just
-# started compiled with 0.4-1.0 of a core through its first two runs (C2:
-# 6.2 and 3.8 s of CPU, then 0.9 s in the third), half the box at times,
-# and probes waited 90-150 ms whenever it did.
+# started compiles its hot code through its first runs, with up to a core
+# at times, and probes wait whenever it does (docs/bench/history.md).
 JIT_SETTLED = 0.05
 PROBE_TAG = 1 << 62  # probe block hashes: far from the simulated engines' hashes
 STOP_EVENT = "signal received: finishing the batch in hand, committing, closing"
@@ -242,9 +241,9 @@ class _ProbeClient:
     """The probe queries' connections to the daemon, one a query in flight.
 
     `bench.raw_http`'s, not aiohttp's client: at a round every `POLL_S`
-    with a few probes open, aiohttp's CPU per query (~250 us) took a tenth
-    of a core from the two the daemon and the broker run on, and most when
-    probes pile up, that is, when the daemon is slowest."""
+    with a few probes open, aiohttp's CPU per query took a tenth of a core
+    from the two the daemon and the broker run on, and most when probes
+    pile up, that is, when the daemon is slowest."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -573,8 +572,9 @@ def _reference(w: Workload, records: Sequence[Record], prompts: Sequence[list[in
 
 def _frozen_run(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     """`asyncio.run(main)` with the workload out of the collector's reach: a
-    full collection over its millions of objects stopped the probe loop for
-    100-240 ms at a time, and that was counted as the daemon's latency."""
+    full collection over its millions of objects stopped the probe loop
+    for longer than the figure's target, and that was counted as the
+    daemon's latency."""
     gc.collect()
     gc.freeze()
     return asyncio.run(main)

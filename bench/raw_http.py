@@ -2,10 +2,9 @@
 a time, each written in one piece and its answer read by Content-Length.
 
 The figures that query the daemon while measuring it (HTTP load, the end to
-end probes) share two cores with it: a general client library costs several
-times the server's own HTTP work per request (aiohttp's client ~220-280 us
-of CPU against ~25 us for this one), which would be measured as the
-server's slowness.
+end probes) share two cores with it: a general client library (aiohttp's)
+costs several times the server's own HTTP work per request, and far more
+than this one, which would be measured as the server's slowness.
 """
 
 from __future__ import annotations

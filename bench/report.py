@@ -70,9 +70,9 @@ def cpu_probe_ms() -> float:
     """Milliseconds for a fixed piece of interpreter work (median of 5).
 
     A virtual machine's core is not always as fast: on the reference
-    machine the same build's query decode took 145 us, then 280 us half an
-    hour later, with the load average at 1. Taken at the start and the end
-    of a run, this says how fast the core was, so that runs compare."""
+    machine the same build's query decode was far slower half an hour
+    later, with the load average at 1. Taken at the start and the end of a
+    run, this says how fast the core was, so that runs compare."""
     times = []
     for _ in range(5):
         t0 = time.perf_counter()

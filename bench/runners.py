@@ -95,11 +95,10 @@ def query_latencies(peer: Peer, queries: Sequence[Tokens]) -> list[float]:
     """Microseconds per query, in order.
 
     The pass's prompts become new lists before the clock starts: read from
-    memory, not from the caches. That is the conservative reading. Lists
-    made just before each query are cached: at 4.3M entries p50 was 106
-    us instead of 130 (Dynamo 190 instead of 200). Lists reused pass after
-    pass got cheaper to read each time: 150 of them went from 55 to 32 us
-    a query at p50 over eight passes, where new lists held at 58."""
+    memory, not from the caches. That is the conservative reading: lists
+    made just before each query are cached and read faster, and lists
+    reused pass after pass got cheaper to read each time, where new lists
+    held steady (docs/benchmarks.md, "Method")."""
     prompts = [q.tolist() for q in queries]
     out: list[float] = []
     clock = time.perf_counter_ns

@@ -46,10 +46,9 @@ class Options:
     e2e_seconds: float = 10.0  # of the half-load phase, per run
     # At most this many runs before the counted ones, reported apart, until
     # the broker's just-in-time compiler has settled (`bench.e2e.JIT_SETTLED`):
-    # the daemon meets a long-running broker, this benchmark one it started.
-    # In a set on a fresh broker at a fixed 380k block events/s, half-load
-    # p99 was 55-222 ms in the first run of each of 12 sets and 18-81 ms
-    # (median 33) in the 23 runs after them.
+    # the daemon meets a long-running broker, this benchmark one it started
+    # (on a fresh broker the first run's half-load p99 was several times the
+    # later runs': docs/bench/history.md).
     e2e_warmups: int = 3
     bootstrap: str | None = None  # a running broker for restore and e2e: none started
     warm_bytes: int = 3 << 30  # fresh memory touched once before measuring

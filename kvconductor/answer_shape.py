@@ -13,7 +13,7 @@ writes the HTTP API's JSON answer without making them at all, and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import msgspec
 
@@ -23,8 +23,6 @@ from kvconductor.query_wire import QueryResponse
 
 # Per instance, in name order: its name and its (rank, slot)s in rank order.
 Layout = Sequence[tuple[str, Sequence[tuple[int, int]]]]
-# The compiled build's: each name also as JSON (msgspec's, quotes included).
-EncodedLayout = Sequence[tuple[str, bytes, Sequence[tuple[int, int]]]]
 
 
 class AnswerShape(Protocol):
@@ -99,10 +97,12 @@ def new_shape(tenant: str, block_size: int, layout: Layout) -> AnswerShape:
     """The compiled shape when the kernel is built, else the reference."""
     if KERNEL is not None:
         encode = msgspec.json.encode
-        return KERNEL.AnswerShape(
+        shape = KERNEL.AnswerShape(
             tenant,
             encode(tenant),
             block_size,
             [(name, encode(name), ranks) for name, ranks in layout],
         )
+        # Held equal to PyAnswerShape by tests/test_answer_shape.py.
+        return cast(AnswerShape, shape)
     return PyAnswerShape(tenant, block_size, layout)

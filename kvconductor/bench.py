@@ -1,7 +1,7 @@
-"""`kvconductor bench`: the benchmark of issue 5 (see docs/benchmarks.md).
+"""`kvconductor bench`: kvconductor beside NVIDIA Dynamo's RadixTree (docs/benchmarks.md).
 
-The benchmark lives in the repository's `bench/` package; this module only
-parses the command line, runs `bench.suite` and writes the report.
+The benchmark is the `bench` package, installed with kvconductor; this module
+only parses the command line, runs `bench.suite` and writes the report.
 """
 
 from __future__ import annotations
@@ -22,15 +22,8 @@ PROG = "kvconductor bench"
 
 
 def _import_bench() -> tuple[Any, Any]:
-    """`bench.suite` and `bench.report`, from a source checkout if needed."""
-    try:
-        return importlib.import_module("bench.suite"), importlib.import_module("bench.report")
-    except ImportError:
-        root = Path(__file__).resolve().parent.parent
-        if not (root / "bench" / "__init__.py").is_file():
-            raise
-        sys.path.insert(0, str(root))
-        return importlib.import_module("bench.suite"), importlib.import_module("bench.report")
+    """`bench.suite` and `bench.report`, loaded only once the command line parsed."""
+    return importlib.import_module("bench.suite"), importlib.import_module("bench.report")
 
 
 def _sizes(text: str) -> tuple[int, ...]:

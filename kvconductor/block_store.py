@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import xxhash
 
@@ -726,5 +726,6 @@ def token_identities(data: bytes, block_size: int, seed: int) -> Iterator[int]:
 def new_store(max_retired: int, max_age_s: float) -> BlockStore:
     """The compiled store when the kernel is built and allowed, else the reference."""
     if KERNEL is not None:
-        return KERNEL.BlockStore(max_retired, max_age_s)
+        # Held equal to PyBlockStore, step by step, by tests/test_block_store.py.
+        return cast(BlockStore, KERNEL.BlockStore(max_retired, max_age_s))
     return PyBlockStore(max_retired, max_age_s)

@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
-from kvconductor.index import IndexLimits
+from kvconductor.limits import IndexLimits
 
 ENV_PREFIX = "KVCONDUCTOR_"
 

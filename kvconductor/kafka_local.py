@@ -2,9 +2,9 @@
 
 The broker runs straight from the Apache Kafka jars on Maven Central:
 
-* ``fetch_jars()`` copies the runtime of ``config/kafka/pom.xml`` (``kafka_2.13`` plus a
+* ``fetch_jars()`` copies the runtime of ``resources/kafka/pom.xml`` (``kafka_2.13`` plus a
   log4j2 backend) into a cache folder with Maven, once; later runs find the jars there.
-* ``start()`` renders ``config/kafka/server.properties`` into a data folder, formats the
+* ``start()`` renders ``resources/kafka/server.properties`` into a data folder, formats the
   KRaft storage, launches ``kafka.Kafka`` detached, waits until the broker answers an admin
   call and returns its bootstrap address. It is idempotent per data folder.
 * ``stop()`` / ``status()`` act on the broker recorded in that data folder's pid file.
@@ -21,7 +21,8 @@ Command line (``python -m kvconductor.kafka_local``, later ``kvconductor kafka-l
 ``start`` prints only the bootstrap address on stdout (progress goes to stderr), so
 ``BOOTSTRAP=$(python -m kvconductor.kafka_local start)`` works.
 
-Environment: ``KVCONDUCTOR_LOCAL_KAFKA_DIR`` (data folder, default ``<repo>/.kafka-local``),
+Environment: ``KVCONDUCTOR_LOCAL_KAFKA_DIR`` (data folder, default
+``${XDG_STATE_HOME:-~/.local/state}/kvconductor/kafka-local``),
 ``KVCONDUCTOR_LOCAL_KAFKA_PORT`` (client port, default 39092; the controller port defaults to the
 client port + 1), ``KVCONDUCTOR_LOCAL_KAFKA_LIBS`` (jar cache, default
 ``~/.cache/kvconductor/kafka-<version>/libs``), ``JAVA_HOME`` (else ``java`` on PATH),
@@ -70,8 +71,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO_ROOT / "config" / "kafka"
+# Package data, so a non-editable install finds the templates as a checkout does.
+CONFIG_DIR = Path(__file__).resolve().parent / "resources" / "kafka"
 POM_FILE = CONFIG_DIR / "pom.xml"
 PROPERTIES_TEMPLATE = CONFIG_DIR / "server.properties"
 LOG4J2_CONFIG = CONFIG_DIR / "log4j2.yaml"
@@ -212,15 +213,12 @@ def _say(message: str) -> None:
 
 def _config_file(path: Path) -> Path:
     if not path.is_file():
-        raise KafkaLocalError(
-            f"{path} is missing: kvconductor must be installed editable from its repository "
-            "(pip install -e .)"
-        )
+        raise KafkaLocalError(f"{path} is missing: this kvconductor installation is incomplete")
     return path
 
 
 def kafka_version() -> str:
-    """The Kafka version pinned in ``config/kafka/pom.xml`` (property ``kafka.version``)."""
+    """The Kafka version pinned in ``resources/kafka/pom.xml`` (property ``kafka.version``)."""
     root = ET.parse(_config_file(POM_FILE)).getroot()
     node = root.find("m:properties/m:kafka.version", _POM_NS)
     if node is None or not (node.text or "").strip():
@@ -229,8 +227,13 @@ def kafka_version() -> str:
 
 
 def default_data_dir() -> Path:
+    """``$KVCONDUCTOR_LOCAL_KAFKA_DIR``, else ``kafka-local`` in the user's XDG state folder:
+    broker data outlives a run but is no cache, and never belongs beside the code."""
     env = os.environ.get(ENV_DIR)
-    return Path(env).expanduser() if env else REPO_ROOT / ".kafka-local"
+    if env:
+        return Path(env).expanduser()
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return state / "kvconductor" / "kafka-local"
 
 
 def default_port() -> int:
@@ -343,8 +346,12 @@ def fetch_jars(libs: Path | None = None) -> Path:
         libs.mkdir(parents=True, exist_ok=True)
         for stale in [*libs.glob("*.jar"), libs / FETCHED_MARKER]:
             stale.unlink(missing_ok=True)
+        # Maven's project folder is the pom's: a copy in the cache keeps anything Maven
+        # writes out of the installed package, which may be read-only.
+        pom = libs.parent / "pom.xml"
+        shutil.copyfile(POM_FILE, pom)
         cmd = [
-            mvn, "-q", "-B", "-f", str(POM_FILE),
+            mvn, "-q", "-B", "-f", str(pom),
             f"{DEPENDENCY_PLUGIN}:copy-dependencies",
             f"-DoutputDirectory={libs}", "-DincludeScope=runtime",
         ]  # fmt: skip
@@ -369,7 +376,7 @@ def fetch_jars(libs: Path | None = None) -> Path:
 
 
 def render_properties(data_dir: Path, listeners: Sequence[Listener], controller_port: int) -> str:
-    """``server.properties`` for ``data_dir`` from the template in ``config/kafka``.
+    """``server.properties`` for ``data_dir`` from the template in ``resources/kafka``.
 
     The first listener must be ``PLAINTEXT`` (the inter-broker listener of the template).
     """
@@ -788,7 +795,7 @@ def start(
 ) -> str:
     """Start (or find running) the local broker of ``data_dir``; return its bootstrap address.
 
-    ``data_dir`` defaults to ``$KVCONDUCTOR_LOCAL_KAFKA_DIR`` or ``<repo>/.kafka-local``; ``port``
+    ``data_dir`` defaults to :func:`default_data_dir`; ``port``
     to ``$KVCONDUCTOR_LOCAL_KAFKA_PORT`` or 39092; ``controller_port`` to ``port + 1``.
     ``security`` adds TLS and SASL/SCRAM listeners on ports of their own; the address returned
     is always the PLAINTEXT one. If a broker started by this tool already runs in ``data_dir``
@@ -1004,7 +1011,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dir",
         type=Path,
         default=None,
-        help=f"data folder (default ${ENV_DIR} or <repo>/.kafka-local)",
+        help=f"data folder (default ${ENV_DIR} or $XDG_STATE_HOME/kvconductor/kafka-local)",
     )
     parser = argparse.ArgumentParser(
         prog="kvconductor kafka-local",

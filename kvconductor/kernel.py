@@ -10,27 +10,34 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol, cast
 
 import msgspec
 
-if TYPE_CHECKING:
-    # block_store and answer_shape import this module for KERNEL: types only.
-    from kvconductor.answer_shape import AnswerShape, EncodedLayout
-    from kvconductor.block_store import BlockStore as Store
+# `answer_shape.Layout` with each instance name also as JSON (msgspec's, quotes included).
+EncodedLayout = Sequence[tuple[str, bytes, Sequence[tuple[int, int]]]]
 
 
 class Kernel(Protocol):
     """kernel/src/lib.rs: the namespace block store (kernel/src/store.rs),
     the query answer's shape (kernel/src/shape.rs), and
     `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack`,
-    `tokens_from_json` and `chain_identities` without extra keys."""
+    `tokens_from_json` and `chain_identities` without extra keys.
 
-    def BlockStore(self, max_retired: int, max_age_s: float) -> Store: ...
+    The store and the shape are typed `object` here: their Protocols live with
+    their Python twins (`block_store.BlockStore`, `answer_shape.AnswerShape`),
+    which import this module, so the factories there say what they are. The
+    loader knows none of its users."""
+
+    def BlockStore(self, max_retired: int, max_age_s: float) -> object: ...
 
     def AnswerShape(
-        self, tenant: str, tenant_json: bytes, block_size: int, layout: EncodedLayout
-    ) -> AnswerShape: ...
+        self,
+        tenant: str,
+        tenant_json: bytes,
+        block_size: int,
+        layout: EncodedLayout,
+    ) -> object: ...
 
     def pack_tokens(self, tokens: Sequence[int]) -> bytes: ...
 

@@ -111,6 +111,16 @@ def test_help_lists_the_commands() -> None:
         assert command in result.stdout
 
 
+def test_bench_runs_from_the_installed_package(tmp_path: Path) -> None:
+    # `kvconductor bench` imports the `bench` package as installed (-I: no
+    # checkout on sys.path, from a folder that is not the repository).
+    code = "import bench.report, bench.suite, kvconductor.bench as b; b._import_bench()"
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
 BAD_CONFIGS = [
     ("[kafka]\nbootstrap_servers = 5\n", "[kafka] bootstrap_servers: expected string"),
     ("[kafka\n", "is not valid TOML"),

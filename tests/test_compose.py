@@ -29,10 +29,10 @@ import pytest
 
 from kvconductor.cli import build_parser
 from kvconductor.config import ConfigError, load_config
+from tests.test_dockerfile import stages
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
-DOCKERFILE = REPO / "Dockerfile"
 # The Dockerfile copies the repository's config/ folder here.
 IMAGE_CONFIG_DIR = "/etc/kvconductor/"
 
@@ -147,14 +147,12 @@ def test_service_command_exists_in_the_package(service: str) -> None:
 
 def image_env() -> dict[str, str]:
     """The KVCONDUCTOR_* variables the Dockerfile's ENV sets for every container."""
-    text = DOCKERFILE.read_text().replace("\\\n", " ")
     out: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("ENV "):
-            for pair in line[4:].split():
-                key, _, value = pair.partition("=")
-                if key.startswith("KVCONDUCTOR_"):
-                    out[key] = value
+    for args in stages()["final"].each("ENV"):
+        for pair in args.split():
+            key, _, value = pair.partition("=")
+            if key.startswith("KVCONDUCTOR_"):
+                out[key] = value
     return out
 
 

@@ -238,6 +238,28 @@ def test_stop_ignores_a_pid_that_is_not_its_broker(tmp_path: Path) -> None:
         other.wait()
 
 
+def test_the_broker_templates_are_package_data() -> None:
+    # Inside the package, so a non-editable install has them too (pyproject's package-data).
+    package = Path(kafka_local.__file__).resolve().parent
+    for path in (kafka_local.POM_FILE, kafka_local.PROPERTIES_TEMPLATE, kafka_local.LOG4J2_CONFIG):
+        assert path.is_file() and path.is_relative_to(package), path
+    assert re.fullmatch(r"\d+\.\d+\.\d+", kafka_local.kafka_version())
+
+
+def test_the_default_data_folder_is_the_users_state_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(kafka_local.ENV_DIR, raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert kafka_local.default_data_dir() == tmp_path / "state" / "kvconductor" / "kafka-local"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    want = tmp_path / "home" / ".local" / "state" / "kvconductor" / "kafka-local"
+    assert kafka_local.default_data_dir() == want
+    monkeypatch.setenv(kafka_local.ENV_DIR, str(tmp_path / "mine"))
+    assert kafka_local.default_data_dir() == tmp_path / "mine"
+
+
 # ------------------------------------------------------------------------------------------
 # Against the session broker
 # ------------------------------------------------------------------------------------------

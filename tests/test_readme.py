@@ -92,8 +92,17 @@ def test_environment_variables_in_docs_exist() -> None:
         assert not unknown, (doc.name, unknown)
 
 
+# Reference docs that link each other: the benchmark's and the decisions'.
+LINKED_DOCS = [
+    REPO / "docs" / "benchmarks.md",
+    REPO / "docs" / "bench" / "history.md",
+    REPO / "docs" / "index-design.md",
+    *sorted((REPO / "docs" / "adr").glob("*.md")),
+]
+
+
 def test_relative_links_point_to_files() -> None:
-    for doc in OPERATOR_DOCS:
+    for doc in [*OPERATOR_DOCS, *LINKED_DOCS]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
             path = (doc.parent / target).resolve()
             rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
@@ -103,3 +112,14 @@ def test_relative_links_point_to_files() -> None:
                 warnings.warn(f"{doc.name} links {rel}, not written yet", stacklevel=1)
                 continue
             raise AssertionError(f"{doc.name}: broken link {target}")
+
+
+def test_every_decision_record_is_listed_where_the_docs_point_to_it() -> None:
+    adr = REPO / "docs" / "adr"
+    records = sorted(p.name for p in adr.glob("[0-9][0-9][0-9][0-9]-*.md"))
+    assert records
+    index = (adr / "README.md").read_text()
+    design = (REPO / "docs" / "index-design.md").read_text()
+    for name in records:
+        assert f"]({name})" in index, name
+        assert f"](adr/{name})" in design, name

@@ -1,8 +1,8 @@
 //! Maps that grow a part at a time.
 //!
-//! A hash table grows by doubling, which rehashes every key at once: the
-//! catalog's doubling at 1.8 million blocks held one record's apply (and the
-//! daemon's event loop) for 104 ms, at 4 million about twice that. Past
+//! A hash table grows by doubling, which rehashes every key at once: at
+//! millions of blocks the catalog's doubling held one record's apply (and
+//! the daemon's event loop) for longer than a query may wait. Past
 //! `SPLIT_AT` keys a map is split into `SHARDS` tables by the top bits of an
 //! independently seeded hash, so one doubling rehashes a sixty-fourth of
 //! the keys; the total work and the memory are the same. Small maps (most
@@ -16,7 +16,7 @@ use hashbrown::HashMap;
 
 const SHARD_BITS: u32 = 6;
 pub const SHARDS: usize = 1 << SHARD_BITS;
-/// Keys at which a map splits: its doubling then costs about a millisecond.
+/// Keys at which a map splits: small enough that one doubling is short.
 pub const SPLIT_AT: usize = 1 << 16;
 
 /// The shard of a key hashed to `h` (its top bits), once a map is split.
@@ -124,5 +124,57 @@ impl<V> ShardedMap<V> {
             let s = self.shard(k);
             self.shards[s].insert(k, v);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{share, shard_of, ShardedMap, SHARDS, SPLIT_AT};
+
+    #[test]
+    fn shard_of_reads_the_top_bits() {
+        assert_eq!(shard_of(0), 0);
+        assert_eq!(shard_of(u64::MAX), SHARDS - 1);
+        assert_eq!(shard_of(1 << 63), SHARDS / 2);
+    }
+
+    #[test]
+    fn share_leaves_room_for_an_uneven_split() {
+        assert_eq!(share(1_000, false), 1_000);
+        let each = share(SPLIT_AT * 4, true);
+        assert!(each * SHARDS > SPLIT_AT * 4);
+    }
+
+    #[test]
+    fn keeps_every_key_across_the_split() {
+        let mut map: ShardedMap<u64> = ShardedMap::default();
+        let n = SPLIT_AT as u64 + 500;
+        for k in 0..n {
+            let (v, inserted) = map.get_or_insert_with(k, || k * 2);
+            assert!(inserted);
+            assert_eq!(*v, k * 2);
+        }
+        assert_eq!(map.len(), n as usize);
+        let (_, inserted) = map.get_or_insert_with(3, || 0);
+        assert!(!inserted, "a present key is not inserted again");
+        for k in 0..n {
+            assert_eq!(map.get(&k), Some(&(k * 2)));
+        }
+        *map.get_mut(&5).unwrap() = 1;
+        assert_eq!(map.get(&5), Some(&1));
+        assert_eq!(map.remove(&5), Some(1));
+        assert_eq!(map.remove(&5), None);
+        assert!(!map.contains_key(&5));
+        assert_eq!(map.len(), n as usize - 1);
+        assert_eq!(map.iter().count(), n as usize - 1);
+    }
+
+    #[test]
+    fn reserve_splits_ahead_of_the_inserts() {
+        let mut map: ShardedMap<()> = ShardedMap::default();
+        map.reserve(SPLIT_AT);
+        map.get_or_insert_with(1, || ());
+        assert!(map.contains_key(&1));
+        assert_eq!(map.len(), 1);
     }
 }

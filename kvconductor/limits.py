@@ -1,0 +1,31 @@
+"""The index's bounds, apart from the index: the configuration reads them
+without loading the index (or the compiled kernel behind it).
+
+Pure; imports nothing of kvconductor. `kvconductor.index` re-exports them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class IndexLimits(msgspec.Struct, frozen=True):
+    """Bounds that hold whatever the input (per namespace where noted)."""
+
+    max_pending: int = 200_000  # pending halves per namespace
+    max_pending_age_s: float = 300.0
+    max_namespaces: int = 4096
+    max_instances: int = 100_000
+    max_blocks_per_owner: int = 4_000_000  # per (instance, dp rank, namespace)
+    # (instance, dp rank) pairs per namespace: each is a bit of every mask and
+    # a row of every answer.
+    max_owners_per_namespace: int = 4096
+    # Content no tier holds any more, kept (per namespace, for the pending age)
+    # so that a late confirmation or token-less store still finds it.
+    max_retired_content: int = 200_000
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"index limit {name} must be positive, got {value}")
