@@ -22,7 +22,7 @@ from kvconductor.events import (
     PoolEvent,
 )
 from kvconductor.media import DEVICE, TIER_NAMES, engine_tier, pool_medium_name, pool_tier
-from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
+from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey, namespace_key
 from kvconductor.query import namespace_of, run_query, run_query_json
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
@@ -222,7 +222,7 @@ class Index:
             counters["unknown_medium"] += len(ev.block_hashes)
             return 0
         ns = self._namespace(
-            NamespaceKey(meta.tenant, meta.model, meta.block_size, ev.lora_name, meta.salt)
+            namespace_key(meta.tenant, meta.model, meta.block_size, ev.lora_name, meta.salt)
         )
         if ns is None:
             return 0
@@ -337,12 +337,13 @@ class Index:
             raise RejectedEvent(f"pool event {i}: no model_name and no kv-model header")
         if block_size is None or block_size <= 0:
             raise RejectedEvent(f"pool event {i}: no valid block_size and no kv-block-size header")
-        return NamespaceKey(
-            ev.tenant_id if ev.tenant_id is not None else meta.tenant,
+        # An empty field is a missing one: the header's, or the default.
+        return namespace_key(
+            ev.tenant_id or meta.tenant,
             model,
             block_size,
             ev.lora_name,
-            ev.additional_salt if ev.additional_salt is not None else meta.salt,
+            ev.additional_salt or meta.salt,
         )
 
     def apply_pool(self, backend_key: str, meta: PoolMeta, batch: PoolBatch, now: float) -> int:

@@ -23,7 +23,7 @@ import msgspec
 
 from kvconductor.block_store import Matched
 from kvconductor.hashing import MASK64, extra_keys_fingerprint, pack_tokens
-from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
+from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, namespace_key
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
 
 _encoder = msgspec.json.Encoder()
@@ -32,13 +32,7 @@ _encoder = msgspec.json.Encoder()
 def namespace_of(req: TokenQuery | HashQuery) -> NamespaceKey:
     if req.block_size <= 0:
         raise InvalidQuery("block_size must be a positive integer")
-    return NamespaceKey(
-        req.tenant_id if req.tenant_id is not None else "default",
-        req.model,
-        req.block_size,
-        req.lora_name,
-        req.cache_salt if req.cache_salt is not None else "",
-    )
+    return namespace_key(req.tenant_id, req.model, req.block_size, req.lora_name, req.cache_salt)
 
 
 def packed_prompt(req: TokenQuery) -> bytes:
