@@ -95,6 +95,13 @@ class Conductor:
         """`query` or `query_by_hash`, answered as the HTTP API's JSON body."""
         return self.index.query_json(req, packed)
 
+    def query_ranks(
+        self, req: TokenQuery | HashQuery, packed: bytes | None = None
+    ) -> dict[str, dict[int, tuple[int, int, int]]]:
+        """Per listed instance and rank, (GPU, CPU, DISK) in tokens: the
+        match behind `query`, for answers that list every rank."""
+        return self.index.query_ranks(req, packed)
+
     # ----------------------------------------------------------- reading
 
     @property

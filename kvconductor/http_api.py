@@ -9,13 +9,17 @@ Endpoints:
 
 - `POST /query`, `POST /query_by_hash`: the contract's answer, exactly its
   fields (`{}` when nothing is listed); 400 `{"error": ...}` for malformed
-  JSON, missing fields, wrong types or values the index cannot take.
+  JSON, missing fields, wrong types or values the index cannot take. With
+  `Content-Type: application/msgpack`, Mooncake Conductor's form instead
+  (`conductor_wire`): its answer, and its 400 `{error, reason, field?,
+  index?}` in msgpack.
 - `GET /workers`: `{"workers": conductor.workers(), "pending": conductor.pending()}`.
 - `GET /health`: 200 `{"status": "ok"}` while the event loop runs.
 - `GET /ready`: 200 or 503 `{"ready": bool, "reason": str}` from `ready()`.
 - `GET /metrics`: Prometheus text format.
 
-Every error is JSON `{"error": "..."}`: 400, 401 (bearer token missing or
+Every error is `{"error": "..."}`, in msgpack for a request in the msgpack
+form and JSON otherwise: 400, 401 (bearer token missing or
 wrong, when `auth_token` is set: on /query, /query_by_hash and /workers
 only; with `WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
 not received within `client_timeout_s`), 413 (body over `max_body_bytes`,
@@ -53,6 +57,16 @@ import structlog
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler
 
+from kvconductor.conductor_wire import (
+    MSGPACK,
+    ConductorError,
+    conductor_answer,
+    is_msgpack,
+    message_body,
+    read_conductor_hash_query,
+    read_conductor_query,
+)
+from kvconductor.conductor_wire import error_body as conductor_error_body
 from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
 from kvconductor.metrics import CONTENT_TYPE, Metrics
 from kvconductor.query_wire import (
@@ -154,21 +168,45 @@ class QueryApi:
                     {"WWW-Authenticate": 'Bearer realm="kvconductor"'},
                 )
             response = await handler(request)
+        except ConductorError as exc:
+            response = web.Response(
+                body=conductor_error_body(exc), status=400, content_type=MSGPACK
+            )
         except ApiError as exc:
-            response = error_response(exc.status, exc.message, exc.headers)
+            response = self.error_response(request, exc.status, exc.message, exc.headers)
         except web.HTTPException as exc:
             response = self._http_exception(request, exc)
         except ConnectionError:
             # The client hung up mid-request: nobody reads this answer. Counted
             # as nginx's 499, not logged (a router's timeout is not our error).
-            response = error_response(499, "client closed the connection")
+            response = self.error_response(request, 499, "client closed the connection")
         except Exception:
             log.exception("http_handler_failed", path=_shorten(request.path))
-            response = error_response(500, "internal error")
+            response = self.error_response(request, 500, "internal error")
         if response.status in _CLOSING:
             response.force_close()
         self.count(endpoint, response.status)
         return response
+
+    @staticmethod
+    def msgpack_wire(request: web.Request) -> bool:
+        """Whether the request speaks Conductor's msgpack form: its answer and
+        its errors are msgpack then."""
+        return is_msgpack(request.headers.get(hdrs.CONTENT_TYPE, ""))
+
+    def error_response(
+        self,
+        request: web.Request,
+        status: int,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        """`{"error": message}` in the request's wire form."""
+        if self.msgpack_wire(request):
+            return web.Response(
+                body=message_body(message), status=status, content_type=MSGPACK, headers=headers
+            )
+        return error_response(status, message, headers)
 
     def count(self, endpoint: str, status: int) -> None:
         # The labelled child is looked up once per pair: `labels()` takes a
@@ -226,7 +264,7 @@ class QueryApi:
             message = self._too_large().message
         else:
             message = exc.reason
-        return error_response(exc.status, message, headers)
+        return self.error_response(request, exc.status, message, headers)
 
     # ------------------------------------------------------------ queries
 
@@ -269,20 +307,46 @@ class QueryApi:
         return b"".join(chunks)
 
     async def query(self, request: web.Request) -> web.Response:
+        if self.msgpack_wire(request):
+            return await self._answer(
+                request, self.conductor_token_answer, self.latency_query, MSGPACK
+            )
         return await self._answer(request, self.token_answer, self.latency_query)
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
+        if self.msgpack_wire(request):
+            return await self._answer(
+                request, self.conductor_hash_answer, self.latency_hash, MSGPACK
+            )
         return await self._answer(request, self.hash_answer, self.latency_hash)
 
     async def _answer(
-        self, request: web.Request, answer: Callable[[bytes], bytes], latency: Any
+        self,
+        request: web.Request,
+        answer: Callable[[bytes], bytes],
+        latency: Any,
+        content_type: str = JSON,
     ) -> web.Response:
         body = await self._body(request)
         start = perf_counter()
         try:
-            return web.Response(body=answer(body), content_type=JSON)
+            return web.Response(body=answer(body), content_type=content_type)
         finally:
             latency.observe(perf_counter() - start)
+
+    def conductor_token_answer(self, body: bytes) -> bytes:
+        req, packed = read_conductor_query(body)
+        return self._conductor_answer(req, packed)
+
+    def conductor_hash_answer(self, body: bytes) -> bytes:
+        return self._conductor_answer(read_conductor_hash_query(body), None)
+
+    def _conductor_answer(self, req: TokenQuery | HashQuery, packed: bytes | None) -> bytes:
+        try:
+            hits = self.conductor.query_ranks(req, packed)
+        except InvalidQuery as exc:
+            raise ConductorError("invalid_value", str(exc)) from None
+        return conductor_answer(hits, {})
 
     def token_answer(self, body: bytes) -> bytes:
         read = read_token_query(body)

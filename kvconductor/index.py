@@ -23,7 +23,7 @@ from kvconductor.events import (
 )
 from kvconductor.media import DEVICE, TIER_NAMES, engine_tier, pool_medium_name, pool_tier
 from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey, namespace_key
-from kvconductor.query import namespace_of, run_query, run_query_json
+from kvconductor.query import namespace_of, run_query, run_query_json, run_query_ranks
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
 
@@ -398,6 +398,12 @@ class Index:
     def query_json(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> bytes:
         """`query`'s answer as JSON (`query.run_query_json`)."""
         return run_query_json(*self._namespaces_of(req), packed)
+
+    def query_ranks(
+        self, req: TokenQuery | HashQuery, packed: bytes | None = None
+    ) -> dict[str, dict[int, tuple[int, int, int]]]:
+        """`query`'s match per rank (`query.run_query_ranks`)."""
+        return run_query_ranks(*self._namespaces_of(req), packed)
 
     def _namespaces_of(
         self, req: TokenQuery | HashQuery

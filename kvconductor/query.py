@@ -124,6 +124,49 @@ def run_query_json(
     return found[0].answer_shape().shape_json(found[1])
 
 
+def run_query_ranks(
+    ns: NamespaceIndex | None,
+    req: TokenQuery | HashQuery,
+    salted: NamespaceIndex | None = None,
+    packed: bytes | None = None,
+) -> dict[str, dict[int, tuple[int, int, int]]]:
+    """`run_query`'s match per listed (instance, rank), not only each
+    instance's best rank: `{instance: {rank: (GPU, CPU, DISK)}}` in tokens
+    (Conductor's answer lists every rank, `conductor_wire`)."""
+    prompt = _prompt(req, packed)
+    out: dict[str, dict[int, tuple[int, int, int]]] = {}
+    found = _matched(ns, req, prompt)
+    if found is not None:
+        _ranks_into(out, *found, hits_only=False)
+    if _salted_too(req, salted):
+        extra = _matched(salted, req, prompt, extra_keys_fingerprint([req.cache_salt]))
+        if extra is not None:
+            _ranks_into(out, *extra, hits_only=True)
+    return out
+
+
+def _ranks_into(
+    out: dict[str, dict[int, tuple[int, int, int]]],
+    ns: NamespaceIndex,
+    lengths: Matched,
+    hits_only: bool,
+) -> None:
+    """Each owner's lengths into `out`, the better one (`_rank`'s order)
+    where two namespaces list the same rank."""
+    bs = ns.block_size
+    for slot, gpu, cpu, disk in lengths:
+        if hits_only and not disk:
+            continue
+        owner = ns.slots[slot]
+        if owner is None:
+            continue
+        ranks = out.setdefault(owner.instance, {})
+        mine = ranks.get(owner.rank)
+        row = (gpu * bs, cpu * bs, disk * bs)
+        if mine is None or (row[2], row[0], row[1]) > (mine[2], mine[0], mine[1]):
+            ranks[owner.rank] = row
+
+
 def _salted_too(req: TokenQuery | HashQuery, salted: NamespaceIndex | None) -> bool:
     """Whether the salted namespace's unsalted twin answers too: for a token
     query with a per-request salt (engine hashes already cover one)."""
