@@ -126,6 +126,16 @@ class Conductor:
             out["retired"] += ns.store.retired_len()
         return out
 
+    def context_blocks(self) -> dict[tuple[str, str, str, int], int]:
+        """Distinct blocks held, per (tenant, model, LoRA or "", block size):
+        Conductor's `prefix_count`, over every salt."""
+        out: dict[tuple[str, str, str, int], int] = {}
+        for key, ns in self.index.namespaces.items():
+            context = (key.tenant, key.model, key.lora_name or "", key.block_size)
+            held = ns.store.content_len() - ns.store.retired_len()
+            out[context] = out.get(context, 0) + held
+        return out
+
     def workers(self) -> list[dict[str, object]]:
         """Instances, ranks and per-tier block counts per namespace."""
         out: list[dict[str, object]] = []

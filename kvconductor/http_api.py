@@ -61,7 +61,6 @@ from kvconductor.conductor_wire import (
     MSGPACK,
     ConductorError,
     conductor_answer,
-    is_msgpack,
     message_body,
     read_conductor_hash_query,
     read_conductor_query,
@@ -69,21 +68,26 @@ from kvconductor.conductor_wire import (
 from kvconductor.conductor_wire import error_body as conductor_error_body
 from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
 from kvconductor.metrics import CONTENT_TYPE, Metrics
+from kvconductor.query import namespace_of
 from kvconductor.query_wire import (
     HashQuery,
     InvalidQuery,
     TokenQuery,
     read_token_query,
 )
+from kvconductor.registration_http import RegistrationRoutes, msgpack_wire
 
 if TYPE_CHECKING:
     from kvconductor.core import Conductor
+    from kvconductor.registration_log import RegistrationLog
 
 log = structlog.get_logger(__name__)
 
 JSON = "application/json"
 # Routes that need the bearer token when one is configured.
-PROTECTED = frozenset({"query", "query_by_hash", "workers"})
+PROTECTED = frozenset(
+    {"query", "query_by_hash", "workers", "register", "unregister", "services", "global_view"}
+)
 # Request bodies buffered at once, in units of max_body_bytes: bounds memory
 # under many concurrent (or slow) large uploads; past it new bytes get 503.
 BODY_BUDGET_FACTOR = 4
@@ -141,8 +145,10 @@ class QueryApi:
         max_body_bytes: int,
         auth_token: str | None,
         client_timeout_s: float,
+        registrations: RegistrationLog | None = None,
     ) -> None:
         self.conductor = conductor
+        self.registrations = registrations
         self.metrics = metrics
         self.ready_check = ready
         self.max_body_bytes = max_body_bytes
@@ -188,12 +194,6 @@ class QueryApi:
         self.count(endpoint, response.status)
         return response
 
-    @staticmethod
-    def msgpack_wire(request: web.Request) -> bool:
-        """Whether the request speaks Conductor's msgpack form: its answer and
-        its errors are msgpack then."""
-        return is_msgpack(request.headers.get(hdrs.CONTENT_TYPE, ""))
-
     def error_response(
         self,
         request: web.Request,
@@ -202,7 +202,7 @@ class QueryApi:
         headers: dict[str, str] | None = None,
     ) -> web.Response:
         """`{"error": message}` in the request's wire form."""
-        if self.msgpack_wire(request):
+        if msgpack_wire(request):
             return web.Response(
                 body=message_body(message), status=status, content_type=MSGPACK, headers=headers
             )
@@ -307,14 +307,14 @@ class QueryApi:
         return b"".join(chunks)
 
     async def query(self, request: web.Request) -> web.Response:
-        if self.msgpack_wire(request):
+        if msgpack_wire(request):
             return await self._answer(
                 request, self.conductor_token_answer, self.latency_query, MSGPACK
             )
         return await self._answer(request, self.token_answer, self.latency_query)
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
-        if self.msgpack_wire(request):
+        if msgpack_wire(request):
             return await self._answer(
                 request, self.conductor_hash_answer, self.latency_hash, MSGPACK
             )
@@ -346,7 +346,14 @@ class QueryApi:
             hits = self.conductor.query_ranks(req, packed)
         except InvalidQuery as exc:
             raise ConductorError("invalid_value", str(exc)) from None
-        return conductor_answer(hits, {})
+        registered: dict[str, set[int]] = {}
+        if self.registrations is not None:
+            key = namespace_of(req)
+            context = (key.tenant, key.model, key.lora_name or "", key.block_size)
+            registered = self.registrations.ranks(context)
+            if req.instance_id is not None:
+                registered = {n: r for n, r in registered.items() if n == req.instance_id}
+        return conductor_answer(hits, registered)
 
     def token_answer(self, body: bytes) -> bytes:
         read = read_token_query(body)
@@ -411,13 +418,17 @@ def make_app(
     max_body_bytes: int,
     auth_token: str | None,
     client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
+    registrations: RegistrationLog | None = None,
 ) -> web.Application:
-    """The aiohttp application serving the query API and operations endpoints."""
+    """The aiohttp application serving the query API, registration (off
+    without `registrations`: 404) and operations endpoints."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if not client_timeout_s > 0:
         raise ValueError(f"client_timeout_s must be positive, got {client_timeout_s}")
-    api = QueryApi(conductor, metrics, ready, max_body_bytes, auth_token, client_timeout_s)
+    api = QueryApi(
+        conductor, metrics, ready, max_body_bytes, auth_token, client_timeout_s, registrations
+    )
     app = web.Application(
         client_max_size=max_body_bytes,
         middlewares=[api.middleware],
@@ -431,6 +442,11 @@ def make_app(
     app.router.add_post(
         "/query_by_hash", api.query_by_hash, name="query_by_hash", expect_handler=api.expect
     )
+    RegistrationRoutes(
+        lambda: api.registrations,
+        lambda: api.conductor.context_blocks(),
+        "registration is off at this address (http.registrations_topic is empty)",
+    ).add_to(app)
     app.router.add_get("/workers", api.workers, name="workers")
     app.router.add_get("/health", api.health, name="health")
     app.router.add_get("/ready", api.ready, name="ready")

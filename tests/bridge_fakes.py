@@ -30,8 +30,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvconductor.bridge import Bridge, BridgeConfig, PublisherConfig
-from kvconductor.bridge.config import BridgeSettings
+from kvconductor.bridge.app import Bridge
+from kvconductor.bridge.config import BridgeConfig, BridgeSettings, PublisherConfig
 from kvconductor.config import KafkaConfig
 from tests.harness import FIXTURES, wait_for
 

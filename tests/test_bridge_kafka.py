@@ -451,7 +451,7 @@ async def test_second_bridge_takes_over_registrations(
                 return [x for x in (a, b) if key in x.streams]
 
             # Exactly one bridge relays it: the one the group gave its partition.
-            await wait_for(lambda: len(owners()) == 1 and key in rb.catalog, 30, "one owner")
+            await wait_for(lambda: len(owners()) == 1 and key in rb.log.catalog, 30, "one owner")
             await pub.wait_subscribed()
             for i in range(3):
                 await pub.publish(payload(i))

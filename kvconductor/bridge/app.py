@@ -29,7 +29,7 @@ from kvconductor.bridge.config import BridgeConfig, PublisherConfig
 from kvconductor.bridge.http import make_app
 from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import Entry, StreamKey, resync_entry
-from kvconductor.bridge.registry import RegisterBody, RegistrationConflict, Registry, to_publisher
+from kvconductor.bridge.registry import Registry
 from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
 from kvconductor.config import Config, kafka_client_options, reveal
@@ -78,7 +78,9 @@ class Bridge:
             key: pub for pub in cfg.publishers for key in stream_keys(pub)
         }
         self.registry: Registry | None = (
-            Registry(cfg, self.metrics, self.reconcile) if b.registrations else None
+            Registry(cfg, self.metrics, self.reconcile, self.static.keys())
+            if b.registrations
+            else None
         )
         self.streams: dict[StreamKey, Stream] = {}
         self.ctx: zmq.asyncio.Context | None = None
@@ -117,7 +119,7 @@ class Bridge:
             },
         }
         if self.registry is not None:
-            detail["registrations"] = len(self.registry.catalog)
+            detail["registrations"] = len(self.registry.log.catalog)
             detail["registration_partitions"] = sorted(self.registry.owned)
         return ok, detail
 
@@ -126,16 +128,6 @@ class Bridge:
             "streams": [self.streams[k].describe() for k in sorted(self.streams)],
             "registrations": self.registry.describe() if self.registry is not None else [],
         }
-
-    async def register(self, body: RegisterBody) -> StreamKey:
-        assert self.registry is not None
-        pub = to_publisher(body)
-        key = StreamKey(pub.id, pub.dp_rank)
-        if key in self.static:
-            raise RegistrationConflict(
-                f"{key.id!r} rank {key.rank} is defined in this bridge's config file"
-            )
-        return await self.registry.register(body)
 
     # ----------------------------------------------------------- streams
 
@@ -147,7 +139,7 @@ class Bridge:
             desired = dict(self.static)
             catalog: set[StreamKey] = set()
             if self.registry is not None:
-                catalog = set(self.registry.catalog)
+                catalog = set(self.registry.log.catalog)
                 for key, pub in self.registry.desired().items():
                     desired.setdefault(key, pub)
             stops: list[Awaitable[None]] = []

@@ -160,7 +160,11 @@ def _check_endpoint(value: str, span: int) -> str | None:
         if not 1 <= port <= 65535 or port + span - 1 > 65535:
             return f"port out of range for {span} rank(s): {value!r}"
         if match["host"] == "*":
-            return f"a subscriber connects, it cannot bind '*': {value!r}"
+            # vLLM's own setting is this bind form; the bridge connects.
+            return (
+                f"{value!r} is the engine's bind address; give the address the engine "
+                f"is reached at, tcp://<engine host>:{match['port']}"
+            )
         return None
     if value.startswith(("ipc://", "inproc://")) and len(value.split("://", 1)[1]) > 0:
         return None
