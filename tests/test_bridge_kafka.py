@@ -285,7 +285,7 @@ def check_stream_headers(records: list[Any], base: dict[str, str]) -> None:
         h = headers_of(r)
         assert {k: h[k] for k in base} == base
         extra = set(h) - set(base)
-        assert extra in ({"kv-seq"}, {"kv-control", "kv-control-reason"}), extra
+        assert extra in ({"kv-seq"}, {"kv-control", "kv-control-reason", "kv-control-kind"}), extra
 
 
 def rfc_body(pub: FakePublisher, instance: str, **kw: Any) -> dict[str, Any]:

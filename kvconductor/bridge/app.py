@@ -189,7 +189,7 @@ class Bridge:
         )
         if pub is None:  # pragma: no cover - the stream owns its buffer
             return Entry(entry.key, b"", [("kv-control", b"resync")], None, 64)
-        return resync_entry(pub, buffer.key.rank, reason)
+        return resync_entry(pub, buffer.key.rank, "too_large", reason)
 
     # --------------------------------------------------------------- run
 

@@ -77,6 +77,7 @@ class Stream:
         )
         idle_ms = int(self.settings.idle_probe_s * 1000)
         try:
+            await self.relay.attach()
             while True:
                 if idle_ms > 0 and not await sub.poll(idle_ms):
                     await self.relay.probe()
