@@ -1,5 +1,5 @@
-"""The registration routes, served by the daemon beside the
-queries and by the bridge: `POST /register`, `POST /unregister`,
+"""The registration routes, served by the daemon and query replicas beside
+the queries and by the bridge: `POST /register`, `POST /unregister`,
 `GET /services`, `GET /global_view` (`registrations` has the bodies and rules).
 
 Each speaks both forms, by the request's Content-Type: `application/msgpack`
@@ -14,8 +14,10 @@ request is typed `application/json` or (a `GET`) accepts JSON only.
 - `/register`: 200 `{"status": "registered successfully", "instance_id"}`
   once the registration is on the registrations topic (or was already
   there, identical); 400 for one that is invalid or conflicts with a
-  registered one; 409 for a rank a bridge's config file defines; 503 while
-  Kafka or the registrations are unavailable.
+  registered one; 403 at a query replica, which reads the registrations
+  but never writes to Kafka (an identical repeat is still 200 there); 409
+  for a rank a bridge's config file defines; 503 while Kafka or the
+  registrations are unavailable.
 - `/unregister`: 200 `{"status": "unregistered successfully",
   "removed_instances": ["<instance>|<tenant>|<rank>"]}`, 404 `service not
   found: <key>`.
@@ -38,6 +40,7 @@ from kvconductor.registrations import (
     ConductorRegister,
     ConductorUnregister,
     InvalidRegistration,
+    ReadOnlyRegistrations,
     RegisterBody,
     RegistrationConflict,
     UnregisterBody,
@@ -174,6 +177,8 @@ class RegistrationRoutes:
             )
         except RegistrationConflict as exc:
             return encoded({"error": str(exc)}, 409, msgpack)
+        except ReadOnlyRegistrations as exc:
+            return encoded({"error": str(exc)}, 403, msgpack)
         except (KafkaError, TimeoutError) as exc:
             return encoded({"error": f"cannot store the registration: {exc!r}"}, 503, msgpack)
         return encoded({"status": "registered successfully", "instance_id": key.id}, 200, msgpack)
@@ -193,6 +198,8 @@ class RegistrationRoutes:
             return encoded({"error": f"service not found: {target}"}, 404, msgpack)
         try:
             await registrar.unregister(key)
+        except ReadOnlyRegistrations as exc:
+            return encoded({"error": str(exc)}, 403, msgpack)
         except (KafkaError, TimeoutError) as exc:
             return encoded({"error": f"cannot store the unregistration: {exc!r}"}, 503, msgpack)
         answer = {"status": "unregistered successfully", "removed_instances": [target]}

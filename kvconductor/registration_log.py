@@ -30,6 +30,7 @@ from kvconductor.config import KafkaConfig, kafka_client_options
 from kvconductor.registrations import (
     Context,
     InvalidRegistration,
+    ReadOnlyRegistrations,
     RegisterBody,
     body_key,
     decode_record_key,
@@ -59,8 +60,13 @@ class RegistrationLog:
         topic: str,
         client_id: str,
         on_change: Callable[[], Awaitable[None]] | None = None,
+        writable: bool = True,
     ) -> None:
+        """`writable` False: follow the topic only (a query replica, which
+        never writes to Kafka); a new registration or an unregistration
+        raises ReadOnlyRegistrations, an identical repeat still succeeds."""
         self.kafka = kafka
+        self.writable = writable
         self.topic = topic
         self.client_id = client_id
         self.on_change = on_change
@@ -79,12 +85,13 @@ class RegistrationLog:
 
     async def start(self) -> None:
         """Start the clients and read the catalog to its end (retried by the caller)."""
-        self.producer = AIOKafkaProducer(
-            client_id=f"{self.client_id}-registry",
-            acks="all",
-            enable_idempotence=True,
-            **self.options(),
-        )
+        if self.writable:
+            self.producer = AIOKafkaProducer(
+                client_id=f"{self.client_id}-registry",
+                acks="all",
+                enable_idempotence=True,
+                **self.options(),
+            )
         self.consumer = AIOKafkaConsumer(
             self.topic,
             client_id=f"{self.client_id}-catalog",
@@ -95,7 +102,8 @@ class RegistrationLog:
             **self.options(),
         )
         try:
-            await asyncio.wait_for(self.producer.start(), CALL_TIMEOUT_S)
+            if self.producer is not None:
+                await asyncio.wait_for(self.producer.start(), CALL_TIMEOUT_S)
             await asyncio.wait_for(self.consumer.start(), CALL_TIMEOUT_S)
             await asyncio.wait_for(self._load(), CALL_TIMEOUT_S * 2)
         except BaseException:
@@ -220,6 +228,11 @@ class RegistrationLog:
         await self._write(key, None)
 
     async def _write(self, key: StreamKey, value: bytes | None) -> None:
+        if not self.writable:
+            raise ReadOnlyRegistrations(
+                "this is a query replica, which never writes to Kafka: register at the "
+                "daemon or a bridge"
+            )
         if self.producer is None or not self.loaded.is_set():
             raise KafkaError("registrations are not loaded yet")
         start = time.monotonic()

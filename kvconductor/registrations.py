@@ -148,6 +148,11 @@ class RegistrationConflict(ValueError):
     """A registration for a publisher rank a bridge's config file defines (409)."""
 
 
+class ReadOnlyRegistrations(RuntimeError):
+    """A registration that would have to be written where nothing writes to
+    Kafka (a query replica): 403."""
+
+
 class InvalidRegistration(ValueError):
     """A registration that cannot be taken (400). `reason` and `field` are
     what Conductor's msgpack errors carry."""

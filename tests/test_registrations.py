@@ -449,3 +449,36 @@ async def test_registration_at_the_daemon_reaches_the_bridge(
             await wait_for(lambda: key not in log.catalog, 10, "gone at the daemon")
     finally:
         await pub.close()
+
+
+@pytest.mark.kafka
+async def test_a_replica_reads_the_list_and_writes_nothing(
+    client: Client, registry: RegistrationLog
+) -> None:
+    assert (await call(client, "POST", "/register", conductor_body()))[0] == 200
+    await registered(registry, 1)
+    replica_log = RegistrationLog(registry.kafka, registry.topic, "kvc-replica", writable=False)
+    await replica_log.start()
+    try:
+        conductor = Conductor()
+        app = make_app(
+            conductor,
+            Metrics(conductor),
+            ready=lambda: (True, "ok"),
+            max_body_bytes=1 << 20,
+            auth_token=None,
+            registrations=replica_log,
+        )
+        async with TestClient(TestServer(app)) as replica:
+            status, services, _ = await call(replica, "GET", "/services", headers={})
+            assert (status, services["count"]) == (200, 1)
+            # An identical repeat needs no write: Mooncake's router restarting
+            # against a replica still starts.
+            assert (await call(replica, "POST", "/register", conductor_body()))[0] == 200
+            other = conductor_body(instance_id="vllm-5", endpoint="tcp://127.0.0.1:5599")
+            status, error, _ = await call(replica, "POST", "/register", other)
+            assert status == 403 and "replica" in error["error"]
+            gone = {"instance_id": "vllm-0", "dp_rank": 0}
+            assert (await call(replica, "POST", "/unregister", gone))[0] == 403
+    finally:
+        await replica_log.stop()
