@@ -108,6 +108,14 @@ def _refused(exc: ConductorError, what: str, msgpack: bool) -> web.Response:
     return encoded({"error": f"invalid {what}: {exc.message}"}, 400, False)
 
 
+def _not_stored(exc: Exception, what: str, msgpack: bool) -> web.Response:
+    """A write to the registrations topic that did not happen: 403 where
+    nothing is written, 503 while Kafka does not take it."""
+    if isinstance(exc, ReadOnlyRegistrations):
+        return encoded({"error": str(exc)}, 403, msgpack)
+    return encoded({"error": f"cannot store the {what}: {exc!r}"}, 503, msgpack)
+
+
 T_REGISTER = msgspec.msgpack.Decoder(ConductorRegister)
 T_UNREGISTER = msgspec.msgpack.Decoder(ConductorUnregister)
 J_REGISTER = msgspec.json.Decoder(RegisterBody)
@@ -177,10 +185,8 @@ class RegistrationRoutes:
             )
         except RegistrationConflict as exc:
             return encoded({"error": str(exc)}, 409, msgpack)
-        except ReadOnlyRegistrations as exc:
-            return encoded({"error": str(exc)}, 403, msgpack)
-        except (KafkaError, TimeoutError) as exc:
-            return encoded({"error": f"cannot store the registration: {exc!r}"}, 503, msgpack)
+        except (ReadOnlyRegistrations, KafkaError, TimeoutError) as exc:
+            return _not_stored(exc, "registration", msgpack)
         return encoded({"status": "registered successfully", "instance_id": key.id}, 200, msgpack)
 
     async def unregister(self, request: web.Request) -> web.Response:
@@ -198,10 +204,8 @@ class RegistrationRoutes:
             return encoded({"error": f"service not found: {target}"}, 404, msgpack)
         try:
             await registrar.unregister(key)
-        except ReadOnlyRegistrations as exc:
-            return encoded({"error": str(exc)}, 403, msgpack)
-        except (KafkaError, TimeoutError) as exc:
-            return encoded({"error": f"cannot store the unregistration: {exc!r}"}, 503, msgpack)
+        except (ReadOnlyRegistrations, KafkaError, TimeoutError) as exc:
+            return _not_stored(exc, "unregistration", msgpack)
         answer = {"status": "unregistered successfully", "removed_instances": [target]}
         return encoded(answer, 200, msgpack)
 

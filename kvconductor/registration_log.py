@@ -47,6 +47,14 @@ log = structlog.get_logger("kvconductor.registrations")
 CALL_TIMEOUT_S = 15.0
 
 
+async def cancelled(task: asyncio.Task[None] | None) -> None:
+    """Cancel a follower task and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
 class Entry(NamedTuple):
     partition: int
     publisher: PublisherConfig
@@ -114,11 +122,8 @@ class RegistrationLog:
         )
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
-            self.task = None
+        task, self.task = self.task, None
+        await cancelled(task)
         for name in ("consumer", "producer"):
             client = getattr(self, name)
             setattr(self, name, None)

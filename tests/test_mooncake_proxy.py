@@ -31,8 +31,9 @@ import zmq.asyncio
 from aiohttp import web
 
 from kvconductor.bridge.records import StreamKey
-from tests.bridge_fakes import FakePublisher, bridge_config, running_bridge
-from tests.harness import daemon_config, http_json, running, stored, vllm_payload, wait_for
+from tests.bridge_fakes import FakePublisher, running_bridge
+from tests.harness import http_json, running, stored, vllm_payload, wait_for
+from tests.test_registrations import daemon_and_bridge
 
 PROXY = os.environ.get("KVCONDUCTOR_MOONCAKE_PROXY")
 PYTHON = os.environ.get("KVCONDUCTOR_MOONCAKE_PYTHON", sys.executable)
@@ -116,14 +117,7 @@ async def test_mooncakes_router_routes_every_request_by_kvconductor(
     kafka_bootstrap: str, ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:
     assert PROXY is not None
-    topic = f"kv-bridge-registrations-{os.urandom(4).hex()}"
-    cfg = daemon_config(kafka_bootstrap, KVCONDUCTOR_HTTP_REGISTRATIONS_TOPIC=topic)
-    bcfg = bridge_config(
-        kafka_bootstrap,
-        engine_topic=cfg.kafka.engine_topic,
-        pool_topic=cfg.kafka.pool_topic,
-        registrations_topic=topic,
-    )
+    cfg, bcfg = daemon_and_bridge(kafka_bootstrap)
     pubs = {name: FakePublisher(ctx) for name in HOLDS}
     engines = Engines()
     proxy: asyncio.subprocess.Process | None = None

@@ -16,10 +16,13 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from consumers.topics import ensure_topics_on
+from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.records import StreamKey
+from kvconductor.config import Config
 from kvconductor.core import Conductor
 from kvconductor.daemon import topic_specs
 from kvconductor.http_api import make_app
@@ -151,18 +154,20 @@ async def registry(kafka_bootstrap: str) -> AsyncIterator[RegistrationLog]:
 Client = TestClient[Any, Any]
 
 
-@pytest.fixture
-async def client(registry: RegistrationLog) -> AsyncIterator[Client]:
-    conductor = fed_conductor()
-    app = make_app(
+def app_of(conductor: Conductor, registrations: RegistrationLog | None) -> web.Application:
+    return make_app(
         conductor,
         Metrics(conductor),
         ready=lambda: (True, "ok"),
         max_body_bytes=1 << 20,
         auth_token=None,
-        registrations=registry,
+        registrations=registrations,
     )
-    async with TestClient(TestServer(app)) as c:
+
+
+@pytest.fixture
+async def client(registry: RegistrationLog) -> AsyncIterator[Client]:
+    async with TestClient(TestServer(app_of(fed_conductor(), registry))) as c:
         yield c
 
 
@@ -376,15 +381,7 @@ async def test_content_types_methods_and_the_json_form(
 
 
 async def test_registration_off_is_404() -> None:
-    conductor = Conductor()
-    app = make_app(
-        conductor,
-        Metrics(conductor),
-        ready=lambda: (True, "ok"),
-        max_body_bytes=1 << 20,
-        auth_token=None,
-    )
-    async with TestClient(TestServer(app)) as c:
+    async with TestClient(TestServer(app_of(Conductor(), None))) as c:
         status, error, _ = await call(c, "POST", "/register", conductor_body())
         assert status == 404 and "registration" in error["error"]
 
@@ -397,6 +394,19 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     yield context
     context.term()
+
+
+def daemon_and_bridge(bootstrap: str) -> tuple[Config, BridgeConfig]:
+    """A daemon's and a bridge's configs on the same topics of their own."""
+    topic = f"kv-bridge-registrations-{uuid.uuid4().hex[:8]}"
+    cfg = daemon_config(bootstrap, KVCONDUCTOR_HTTP_REGISTRATIONS_TOPIC=topic)
+    bcfg = bridge_config(
+        bootstrap,
+        engine_topic=cfg.kafka.engine_topic,
+        pool_topic=cfg.kafka.pool_topic,
+        registrations_topic=topic,
+    )
+    return cfg, bcfg
 
 
 async def post_msgpack(port: int, path: str, body: object) -> tuple[int, Any]:
@@ -414,14 +424,7 @@ async def test_registration_at_the_daemon_reaches_the_bridge(
     kafka_bootstrap: str, ctx: zmq.asyncio.Context
 ) -> None:
     pub = FakePublisher(ctx)
-    topic = f"kv-bridge-registrations-{uuid.uuid4().hex[:8]}"
-    cfg = daemon_config(kafka_bootstrap, KVCONDUCTOR_HTTP_REGISTRATIONS_TOPIC=topic)
-    bcfg = bridge_config(
-        kafka_bootstrap,
-        engine_topic=cfg.kafka.engine_topic,
-        pool_topic=cfg.kafka.pool_topic,
-        registrations_topic=topic,
-    )
+    cfg, bcfg = daemon_and_bridge(kafka_bootstrap)
     body = conductor_body(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
     key = StreamKey("vllm-0", 0)
     try:
@@ -460,16 +463,7 @@ async def test_a_replica_reads_the_list_and_writes_nothing(
     replica_log = RegistrationLog(registry.kafka, registry.topic, "kvc-replica", writable=False)
     await replica_log.start()
     try:
-        conductor = Conductor()
-        app = make_app(
-            conductor,
-            Metrics(conductor),
-            ready=lambda: (True, "ok"),
-            max_body_bytes=1 << 20,
-            auth_token=None,
-            registrations=replica_log,
-        )
-        async with TestClient(TestServer(app)) as replica:
+        async with TestClient(TestServer(app_of(Conductor(), replica_log))) as replica:
             status, services, _ = await call(replica, "GET", "/services", headers={})
             assert (status, services["count"]) == (200, 1)
             # An identical repeat needs no write: Mooncake's router restarting

@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 from kvconductor.bridge.config import BridgeConfig, PublisherConfig
 from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import StreamKey
-from kvconductor.registration_log import CALL_TIMEOUT_S, RegistrationLog
+from kvconductor.registration_log import CALL_TIMEOUT_S, RegistrationLog, cancelled
 from kvconductor.registrations import RegisterBody, RegistrationConflict, to_publisher
 
 log = structlog.get_logger("kvconductor.bridge.registry")
@@ -62,11 +62,8 @@ class Registry:
         )
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
-            self.task = None
+        task, self.task = self.task, None
+        await cancelled(task)
         consumer, self.group_consumer = self.group_consumer, None
         if consumer is not None:
             with contextlib.suppress(Exception):
