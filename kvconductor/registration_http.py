@@ -143,40 +143,42 @@ class RegistrationRoutes:
         app.router.add_get("/services", self.services, name="services")
         app.router.add_get("/global_view", self.global_view, name="global_view")
 
-    @staticmethod
-    async def _decode(
+    async def _read(
+        self,
         request: web.Request,
         conductor: msgspec.msgpack.Decoder[A],
         json: msgspec.json.Decoder[B],
-    ) -> A | B:
-        """The body as the request's form takes it; ConductorError if not."""
+        what: str,
+    ) -> tuple[A | B, Registrar, bool] | web.Response:
+        """The body as the request's form takes it, the registrar and whether
+        the form is msgpack; or the answer refusing it."""
         content_type = request.headers.get(hdrs.CONTENT_TYPE, "")
+        msgpack = is_msgpack(content_type)
         raw = await request.read()
         try:
-            if is_msgpack(content_type):
-                return conductor.decode(raw)
-            return json.decode(raw)
+            decoded = conductor.decode(raw) if msgpack else json.decode(raw)
         except msgspec.ValidationError as exc:
-            raise conductor_error(exc) from None
+            return _refused(conductor_error(exc), what, msgpack)
         except msgspec.DecodeError as exc:
-            if is_msgpack(content_type) or request.content_type == JSON:
-                raise conductor_error(exc) from None
+            if msgpack or request.content_type == JSON:
+                return _refused(conductor_error(exc), what, msgpack)
             # Neither form: JSON is taken under any type (clients that never
             # set one), so only a body that is not JSON tells.
-            raise ConductorError(
+            unsupported = ConductorError(
                 "unsupported_content_type", "Content-Type must be application/msgpack"
-            ) from None
-
-    async def register(self, request: web.Request) -> web.Response:
-        msgpack = is_msgpack(request.headers.get(hdrs.CONTENT_TYPE, ""))
-        try:
-            decoded = await self._decode(request, T_REGISTER, J_REGISTER)
-        except ConductorError as exc:
-            return _refused(exc, "registration", msgpack)
-        body = decoded.body() if isinstance(decoded, ConductorRegister) else decoded
+            )
+            return _refused(unsupported, what, msgpack)
         registrar = self.registrar()
         if registrar is None:
             return encoded({"error": self.disabled}, 404, msgpack)
+        return decoded, registrar, msgpack
+
+    async def register(self, request: web.Request) -> web.Response:
+        got = await self._read(request, T_REGISTER, J_REGISTER, "registration")
+        if isinstance(got, web.Response):
+            return got
+        decoded, registrar, msgpack = got
+        body = decoded.body() if isinstance(decoded, ConductorRegister) else decoded
         try:
             key = await registrar.register(body)
         except InvalidRegistration as exc:
@@ -190,14 +192,10 @@ class RegistrationRoutes:
         return encoded({"status": "registered successfully", "instance_id": key.id}, 200, msgpack)
 
     async def unregister(self, request: web.Request) -> web.Response:
-        msgpack = is_msgpack(request.headers.get(hdrs.CONTENT_TYPE, ""))
-        try:
-            body = await self._decode(request, T_UNREGISTER, J_UNREGISTER)
-        except ConductorError as exc:
-            return _refused(exc, "unregistration", msgpack)
-        registrar = self.registrar()
-        if registrar is None:
-            return encoded({"error": self.disabled}, 404, msgpack)
+        got = await self._read(request, T_UNREGISTER, J_UNREGISTER, "unregistration")
+        if isinstance(got, web.Response):
+            return got
+        body, registrar, msgpack = got
         target = service_key(body.instance_id, body.tenant_id, body.dp_rank)
         key = registrar.find(body.instance_id, body.tenant_id, body.dp_rank)
         if key is None:
