@@ -13,15 +13,19 @@ Endpoints:
   `Content-Type: application/msgpack`, Mooncake Conductor's form instead
   (`conductor_wire`): its answer, and its 400 `{error, reason, field?,
   index?}` in msgpack.
+- `POST /register`, `POST /unregister`, `GET /services`, `GET /global_view`:
+  `registration_http`'s routes over `registrations` (a `RegistrationLog`;
+  None: 404).
 - `GET /workers`: `{"workers": conductor.workers(), "pending": conductor.pending()}`.
 - `GET /health`: 200 `{"status": "ok"}` while the event loop runs.
 - `GET /ready`: 200 or 503 `{"ready": bool, "reason": str}` from `ready()`.
 - `GET /metrics`: Prometheus text format.
 
 Every error is `{"error": "..."}`, in msgpack for a request in the msgpack
-form and JSON otherwise: 400, 401 (bearer token missing or
-wrong, when `auth_token` is set: on /query, /query_by_hash and /workers
-only; with `WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
+form (and on the registration routes, `registration_http.msgpack_wire`) and
+JSON otherwise: 400, 401 (bearer token missing or wrong, when `auth_token`
+is set: on the queries, the registration routes and /workers only; with
+`WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
 not received within `client_timeout_s`), 413 (body over `max_body_bytes`,
 refused from its Content-Length before reading any of it, or once a chunked
 body passes it), 500, 503 (with `Retry-After`: more than
