@@ -209,7 +209,10 @@ class RegistrationLog:
         """Write a new registration to the topic; a repeat writes nothing."""
         key, new = self.check(body)
         if new:
-            await self._write(key, record_value(body))
+            partition = await self._write(key, record_value(body))
+            # Taken at once, not when read back: a repeat or a conflict right
+            # after it is seen as one.
+            await self._changed(key, Entry(partition, to_publisher(body), body))
         return key
 
     def find(self, instance_id: str, tenant_id: str | None, dp_rank: int) -> StreamKey | None:
@@ -231,8 +234,19 @@ class RegistrationLog:
 
     async def unregister(self, key: StreamKey) -> None:
         await self._write(key, None)
+        await self._changed(key, None)
 
-    async def _write(self, key: StreamKey, value: bytes | None) -> None:
+    async def _changed(self, key: StreamKey, entry: Entry | None) -> None:
+        self._ranks = None
+        if entry is None:
+            self.catalog.pop(key, None)
+        else:
+            self.catalog[key] = entry
+        if self.on_change is not None:
+            await self.on_change()
+
+    async def _write(self, key: StreamKey, value: bytes | None) -> int:
+        """Write a record; the partition it went to."""
         if not self.writable:
             raise ReadOnlyRegistrations(
                 "this is a query replica, which never writes to Kafka: register at the "
@@ -244,4 +258,5 @@ class RegistrationLog:
         fut = await asyncio.wait_for(
             self.producer.send(self.topic, key=record_key(key), value=value), CALL_TIMEOUT_S
         )
-        await asyncio.wait_for(fut, max(1.0, CALL_TIMEOUT_S - (time.monotonic() - start)))
+        meta = await asyncio.wait_for(fut, max(1.0, CALL_TIMEOUT_S - (time.monotonic() - start)))
+        return int(meta.partition)
