@@ -11,8 +11,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import pytest
 
+from kvconductor.events import BlockStored
+from kvconductor.hashing import extra_keys_fingerprint
+from kvconductor.index import Index
+from kvconductor.query_wire import TokenQuery
 from tests import test_http_api
 from tests.test_http_api import BS, HASHES, TOKENS, post_json, query
+from tests.test_index_rules import BS as RULES_BS
+from tests.test_index_rules import PROMPT, engine, stored
 
 if TYPE_CHECKING:
     from tests.test_http_api import MakeClient
@@ -164,3 +170,22 @@ async def test_negative_int32_tokens_are_the_bins_bytes(make_client: MakeClient)
     as_bin = await post(client, "/query", body(token_ids=b"\xff" * 4 * BS))
     assert as_array == as_bin
     assert as_array[0] == 200
+
+
+def test_per_rank_lengths_merge_a_salted_namespace_like_the_json_answer() -> None:
+    # A per-request salt lives in the unsalted namespace's extra keys
+    # (query.run_query): the per-rank answer takes the same second look.
+    ix = Index()
+    salt = extra_keys_fingerprint(["s3cret"])
+    engine(ix, "a", BlockStored([1, 2], None, PROMPT[:8], RULES_BS, extra_keys=[salt, None]))
+    engine(ix, "b", stored(0, 2))
+    for cache_salt in (None, "s3cret", "other"):
+        req = TokenQuery("m", RULES_BS, PROMPT, cache_salt=cache_salt)
+        ranks = ix.query_ranks(req)
+        rows = ix.query(req).get("default", {})
+        assert {n: r[0][2] for n, r in ranks.items() if r[0][2]} == {
+            n: row["DISK"] for n, row in rows.items() if row["DISK"]
+        }
+    assert ix.query_ranks(TokenQuery("m", RULES_BS, PROMPT, cache_salt="s3cret"))["a"] == {
+        0: (8, 8, 8)
+    }
