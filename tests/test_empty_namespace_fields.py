@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from msgspec import structs
 
+from kvconductor.core import Conductor
 from kvconductor.events import PoolEvent
 from kvconductor.index import Index
 from kvconductor.namespace_index import NamespaceKey, namespace_key
+from kvconductor.query_wire import TokenQuery
+from tests.harness import engine_headers, vllm_payload
+from tests.harness import stored as harness_stored
 from tests.test_index_rules import PROMPT, ask, engine, hits, pool, seq, stored
 
 
@@ -46,3 +50,13 @@ def test_pool_event_empty_fields_fall_back_like_missing_ones() -> None:
     )
     assert hits(ix) == (4, 8, 8)
     assert list(ask(ix)) == ["default"]
+
+
+def test_empty_tenant_and_salt_headers_are_the_defaults() -> None:
+    conductor = Conductor()
+    event = harness_stored([seq(0)], PROMPT[:4], block_size=4)
+    headers = engine_headers(**{"kv-tenant": "", "kv-salt": ""})
+    conductor.ingest_engine_record(b"a", headers, vllm_payload([event]), 1.0)
+    query = TokenQuery(model="m", block_size=4, token_ids=PROMPT, tenant_id="", cache_salt="")
+    assert list(conductor.query(query)) == ["default"]
+    assert conductor.query(query)["default"]["a"]["GPU"] == 4
