@@ -103,20 +103,8 @@ class ConductorRegister(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     kv_offload: str | None = None
 
     def body(self) -> RegisterBody:
-        return RegisterBody(
-            endpoint=self.endpoint,
-            type=self.type,
-            instance_id=self.instance_id,
-            replay_endpoint=self.replay_endpoint,
-            modelname=self.modelname,
-            lora_name=self.lora_name,
-            tenant_id=self.tenant_id,
-            block_size=self.block_size,
-            dp_rank=self.dp_rank,
-            kv_offload=self.kv_offload,
-            hash_profile=self.hash_profile,
-            cache_group=self.cache_group,
-        )
+        # Every field here is one of RegisterBody's, under the same name.
+        return RegisterBody(**msgspec.structs.asdict(self))
 
 
 class UnregisterBody(msgspec.Struct, kw_only=True):
