@@ -48,7 +48,7 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def warn(self, kind: str, event: str, **fields: Any) -> None:
+    def warn(self, kind: str, event: str, level: str = "warning", **fields: Any) -> None:
         now = time.monotonic()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval_s:
@@ -56,7 +56,7 @@ class RateLimitedLog:
             return
         self._last[kind] = now
         suppressed = self._suppressed.pop(kind, 0)
-        log.warning(event, kind=kind, suppressed_since_last=suppressed, **fields)
+        getattr(log, level)(event, kind=kind, suppressed_since_last=suppressed, **fields)
 
 
 def in_produce_order(
@@ -280,13 +280,21 @@ class EventConsumer:
             return
         instance = key.decode("utf-8", "replace") if key else ""
         if applied.resync:
+            headers = {k: v.decode("utf-8", "replace") for k, v in record.headers or ()}
+            # A bridge attaching to a stream (how each one starts) is routine;
+            # any other resync lost messages.
+            attached = headers.get("kv-control-kind") == "attached"
             # Once a minute per instance at most: a flapping bridge resyncs
             # on every restart (counted in index_events_total{kind="resyncs"}).
             self.problems.warn(
                 f"resync:{instance}",
-                "instance resynchronised: its stream had an unfillable gap, stale blocks cleared",
+                "instance resynchronised: the bridge attached to its stream, earlier state unknown"
+                if attached
+                else "instance resynchronised: its stream lost messages, stale blocks cleared",
+                level="info" if attached else "warning",
                 instance=instance,
-                headers={k: v.decode("utf-8", "replace") for k, v in record.headers or ()},
+                reason=headers.get("kv-control-reason", ""),
+                headers=headers,
                 blocks_cleared=applied.blocks,
             )
         if applied.seq_missing:

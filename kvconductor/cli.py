@@ -71,7 +71,8 @@ def _dead_letters(args: argparse.Namespace) -> int:
 
 
 def _bridge(args: argparse.Namespace) -> int:
-    from kvconductor.bridge import load_bridge_config, run_bridge
+    from kvconductor.bridge.app import run_bridge
+    from kvconductor.bridge.config import load_bridge_config
 
     cfg = load_bridge_config(Path(args.config) if args.config else None)
     return _serve(run_bridge(cfg), cfg.log, cfg.kafka)

@@ -137,6 +137,9 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Serve without a token on a non-loopback address (a router that cannot
     # send one); docs/configuration.md spells out the risk.
     allow_unauthenticated: bool = False
+    # Where `POST /register` at this address writes (the bridges' topic,
+    # `bridge.registrations_topic`); empty: no registration here.
+    registrations_topic: str = "kv-bridge-registrations"
 
 
 def is_loopback(host: str) -> bool:
@@ -546,6 +549,16 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
         raise fail("http", "max_body_bytes", f"must be at least 1024, got {h.max_body_bytes}")
     if not h.client_timeout_s > 0:
         raise fail("http", "client_timeout_s", f"must be positive, got {h.client_timeout_s}")
+    if h.registrations_topic:
+        topic = h.registrations_topic
+        if not _TOPIC.fullmatch(topic) or topic in (".", ".."):
+            raise fail("http", "registrations_topic", f"not a valid Kafka topic name: {topic!r}")
+        if topic in topics:
+            raise fail(
+                "http",
+                "registrations_topic",
+                f"must differ from [kafka] {topics[topic]} ({topic!r})",
+            )
     if h.auth_token is not None:
         token = h.auth_token.reveal()
         if not token.strip():

@@ -95,6 +95,13 @@ class Conductor:
         """`query` or `query_by_hash`, answered as the HTTP API's JSON body."""
         return self.index.query_json(req, packed)
 
+    def query_ranks(
+        self, req: TokenQuery | HashQuery, packed: bytes | None = None
+    ) -> dict[str, dict[int, tuple[int, int, int]]]:
+        """Per listed instance and rank, (GPU, CPU, DISK) in tokens: the
+        match behind `query`, for answers that list every rank."""
+        return self.index.query_ranks(req, packed)
+
     # ----------------------------------------------------------- reading
 
     @property
@@ -117,6 +124,16 @@ class Conductor:
             out["unresolved"] += by_kind[UNRESOLVED]
             out["intents"] += by_kind[INTENT]
             out["retired"] += ns.store.retired_len()
+        return out
+
+    def context_blocks(self) -> dict[tuple[str, str, str, int], int]:
+        """Distinct blocks held, per (tenant, model, LoRA or "", block size):
+        Conductor's `prefix_count`, over every salt."""
+        out: dict[tuple[str, str, str, int], int] = {}
+        for key, ns in self.index.namespaces.items():
+            context = (key.tenant, key.model, key.lora_name or "", key.block_size)
+            held = ns.store.content_len() - ns.store.retired_len()
+            out[context] = out.get(context, 0) + held
         return out
 
     def workers(self) -> list[dict[str, object]]:

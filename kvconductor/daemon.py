@@ -53,6 +53,7 @@ from kvconductor.kernel import STATUS as KERNEL_STATUS
 from kvconductor.metrics import Metrics
 from kvconductor.namespace_index import NamespaceKey
 from kvconductor.overflow_log import OverflowLog
+from kvconductor.registration_log import RegistrationLog
 from kvconductor.service import FatalError, serve_until_signalled
 from kvconductor.snapshot_store import SnapshotPublisher, SnapshotRead, read_snapshot
 from kvconductor.snapshots import UnitKey, drop_namespaces, restore, unit_namespace
@@ -101,6 +102,18 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
         if k.repartition
         else []
     )
+    registrations = cfg.http.registrations_topic
+    if registrations:
+        # Keyed by instance rank: compaction keeps each one's last registration.
+        internal.append(
+            TopicSpec(
+                registrations,
+                k.partitions,
+                k.replication_factor,
+                compacted,
+                {"cleanup.policy": "compact"},
+            )
+        )
     return [
         *internal,
         TopicSpec(k.engine_topic, k.partitions, k.replication_factor, {}, {}),
@@ -141,6 +154,10 @@ class Daemon:
         # Scale-out: internal partitions whose namespaces this daemon holds.
         self._owned: set[int] = set()
         self._internal_partitions = 0
+        topic = cfg.http.registrations_topic
+        self.registrations = (
+            RegistrationLog(cfg.kafka, topic, cfg.kafka.client_id) if topic else None
+        )
 
     # ---------------------------------------------------------- readiness
 
@@ -170,6 +187,7 @@ class Daemon:
             max_body_bytes=http.max_body_bytes,
             auth_token=reveal(http.auth_token),
             client_timeout_s=http.client_timeout_s,
+            registrations=self.registrations,
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -481,6 +499,8 @@ class Daemon:
         stage_one: asyncio.Task[None] | None = None
         try:
             await self.prepare_topics()
+            if self.registrations is not None:
+                await self._with_backoff("loading registrations", self.registrations.start)
             if self.cfg.snapshot.enabled:
                 snap_producer = await self._start_client(
                     "starting snapshot producer", self._snapshot_producer
@@ -579,6 +599,8 @@ class Daemon:
                 if client is not None:
                     with contextlib.suppress(Exception):
                         await self._within_grace(client.stop(), "closing kafka clients")
+            if self.registrations is not None:
+                await self._within_grace(self.registrations.stop(), "closing kafka clients")
             if self._runner is not None:
                 await self._runner.cleanup()
             self.overflow.check(self.conductor.counters, time.monotonic(), force=True)

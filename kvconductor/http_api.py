@@ -9,15 +9,23 @@ Endpoints:
 
 - `POST /query`, `POST /query_by_hash`: the contract's answer, exactly its
   fields (`{}` when nothing is listed); 400 `{"error": ...}` for malformed
-  JSON, missing fields, wrong types or values the index cannot take.
+  JSON, missing fields, wrong types or values the index cannot take. With
+  `Content-Type: application/msgpack`, Mooncake Conductor's form instead
+  (`conductor_wire`): its answer, and its 400 `{error, reason, field?,
+  index?}` in msgpack.
+- `POST /register`, `POST /unregister`, `GET /services`, `GET /global_view`:
+  `registration_http`'s routes over `registrations` (a `RegistrationLog`;
+  None: 404).
 - `GET /workers`: `{"workers": conductor.workers(), "pending": conductor.pending()}`.
 - `GET /health`: 200 `{"status": "ok"}` while the event loop runs.
 - `GET /ready`: 200 or 503 `{"ready": bool, "reason": str}` from `ready()`.
 - `GET /metrics`: Prometheus text format.
 
-Every error is JSON `{"error": "..."}`: 400, 401 (bearer token missing or
-wrong, when `auth_token` is set: on /query, /query_by_hash and /workers
-only; with `WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
+Every error is `{"error": "..."}`, in msgpack for a request in the msgpack
+form (and on the registration routes, `registration_http.msgpack_wire`) and
+JSON otherwise: 400, 401 (bearer token missing or wrong, when `auth_token`
+is set: on the queries, the registration routes and /workers only; with
+`WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
 not received within `client_timeout_s`), 413 (body over `max_body_bytes`,
 refused from its Content-Length before reading any of it, or once a chunked
 body passes it), 500, 503 (with `Retry-After`: more than
@@ -53,23 +61,37 @@ import structlog
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler
 
+from kvconductor.conductor_wire import (
+    MSGPACK,
+    ConductorError,
+    conductor_answer,
+    message_body,
+    read_conductor_hash_query,
+    read_conductor_query,
+)
+from kvconductor.conductor_wire import error_body as conductor_error_body
 from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
 from kvconductor.metrics import CONTENT_TYPE, Metrics
+from kvconductor.query import namespace_of
 from kvconductor.query_wire import (
     HashQuery,
     InvalidQuery,
     TokenQuery,
     read_token_query,
 )
+from kvconductor.registration_http import RegistrationRoutes, msgpack_wire
 
 if TYPE_CHECKING:
     from kvconductor.core import Conductor
+    from kvconductor.registration_log import RegistrationLog
 
 log = structlog.get_logger(__name__)
 
 JSON = "application/json"
 # Routes that need the bearer token when one is configured.
-PROTECTED = frozenset({"query", "query_by_hash", "workers"})
+PROTECTED = frozenset(
+    {"query", "query_by_hash", "workers", "register", "unregister", "services", "global_view"}
+)
 # Request bodies buffered at once, in units of max_body_bytes: bounds memory
 # under many concurrent (or slow) large uploads; past it new bytes get 503.
 BODY_BUDGET_FACTOR = 4
@@ -127,8 +149,10 @@ class QueryApi:
         max_body_bytes: int,
         auth_token: str | None,
         client_timeout_s: float,
+        registrations: RegistrationLog | None = None,
     ) -> None:
         self.conductor = conductor
+        self.registrations = registrations
         self.metrics = metrics
         self.ready_check = ready
         self.max_body_bytes = max_body_bytes
@@ -154,21 +178,39 @@ class QueryApi:
                     {"WWW-Authenticate": 'Bearer realm="kvconductor"'},
                 )
             response = await handler(request)
+        except ConductorError as exc:
+            response = web.Response(
+                body=conductor_error_body(exc), status=400, content_type=MSGPACK
+            )
         except ApiError as exc:
-            response = error_response(exc.status, exc.message, exc.headers)
+            response = self.error_response(request, exc.status, exc.message, exc.headers)
         except web.HTTPException as exc:
             response = self._http_exception(request, exc)
         except ConnectionError:
             # The client hung up mid-request: nobody reads this answer. Counted
             # as nginx's 499, not logged (a router's timeout is not our error).
-            response = error_response(499, "client closed the connection")
+            response = self.error_response(request, 499, "client closed the connection")
         except Exception:
             log.exception("http_handler_failed", path=_shorten(request.path))
-            response = error_response(500, "internal error")
+            response = self.error_response(request, 500, "internal error")
         if response.status in _CLOSING:
             response.force_close()
         self.count(endpoint, response.status)
         return response
+
+    def error_response(
+        self,
+        request: web.Request,
+        status: int,
+        message: str,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        """`{"error": message}` in the request's wire form."""
+        if msgpack_wire(request):
+            return web.Response(
+                body=message_body(message), status=status, content_type=MSGPACK, headers=headers
+            )
+        return error_response(status, message, headers)
 
     def count(self, endpoint: str, status: int) -> None:
         # The labelled child is looked up once per pair: `labels()` takes a
@@ -226,7 +268,7 @@ class QueryApi:
             message = self._too_large().message
         else:
             message = exc.reason
-        return error_response(exc.status, message, headers)
+        return self.error_response(request, exc.status, message, headers)
 
     # ------------------------------------------------------------ queries
 
@@ -269,20 +311,53 @@ class QueryApi:
         return b"".join(chunks)
 
     async def query(self, request: web.Request) -> web.Response:
+        if msgpack_wire(request):
+            return await self._answer(
+                request, self.conductor_token_answer, self.latency_query, MSGPACK
+            )
         return await self._answer(request, self.token_answer, self.latency_query)
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
+        if msgpack_wire(request):
+            return await self._answer(
+                request, self.conductor_hash_answer, self.latency_hash, MSGPACK
+            )
         return await self._answer(request, self.hash_answer, self.latency_hash)
 
     async def _answer(
-        self, request: web.Request, answer: Callable[[bytes], bytes], latency: Any
+        self,
+        request: web.Request,
+        answer: Callable[[bytes], bytes],
+        latency: Any,
+        content_type: str = JSON,
     ) -> web.Response:
         body = await self._body(request)
         start = perf_counter()
         try:
-            return web.Response(body=answer(body), content_type=JSON)
+            return web.Response(body=answer(body), content_type=content_type)
         finally:
             latency.observe(perf_counter() - start)
+
+    def conductor_token_answer(self, body: bytes) -> bytes:
+        req, packed = read_conductor_query(body)
+        return self._conductor_answer(req, packed)
+
+    def conductor_hash_answer(self, body: bytes) -> bytes:
+        return self._conductor_answer(read_conductor_hash_query(body), None)
+
+    def _conductor_answer(self, req: TokenQuery | HashQuery, packed: bytes | None) -> bytes:
+        try:
+            hits = self.conductor.query_ranks(req, packed)
+        except InvalidQuery as exc:
+            raise ConductorError("invalid_value", str(exc)) from None
+        registered: dict[str, set[int]] = {}
+        if self.registrations is not None:
+            key = namespace_of(req)
+            context = (key.tenant, key.model, key.lora_name or "", key.block_size)
+            registered = self.registrations.ranks(context)
+            if req.instance_id is not None:
+                registered = {n: r for n, r in registered.items() if n == req.instance_id}
+        return conductor_answer(hits, registered)
 
     def token_answer(self, body: bytes) -> bytes:
         read = read_token_query(body)
@@ -347,13 +422,17 @@ def make_app(
     max_body_bytes: int,
     auth_token: str | None,
     client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
+    registrations: RegistrationLog | None = None,
 ) -> web.Application:
-    """The aiohttp application serving the query API and operations endpoints."""
+    """The aiohttp application serving the query API, registration (off
+    without `registrations`: 404) and operations endpoints."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if not client_timeout_s > 0:
         raise ValueError(f"client_timeout_s must be positive, got {client_timeout_s}")
-    api = QueryApi(conductor, metrics, ready, max_body_bytes, auth_token, client_timeout_s)
+    api = QueryApi(
+        conductor, metrics, ready, max_body_bytes, auth_token, client_timeout_s, registrations
+    )
     app = web.Application(
         client_max_size=max_body_bytes,
         middlewares=[api.middleware],
@@ -367,6 +446,11 @@ def make_app(
     app.router.add_post(
         "/query_by_hash", api.query_by_hash, name="query_by_hash", expect_handler=api.expect
     )
+    RegistrationRoutes(
+        lambda: api.registrations,
+        lambda: api.conductor.context_blocks(),
+        "registration is off at this address (http.registrations_topic is empty)",
+    ).add_to(app)
     app.router.add_get("/workers", api.workers, name="workers")
     app.router.add_get("/health", api.health, name="health")
     app.router.add_get("/ready", api.ready, name="ready")

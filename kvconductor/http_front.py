@@ -14,8 +14,9 @@ Content-Length, by calling the same `QueryApi` answer functions, counting
 the same metrics and writing the same bytes aiohttp would.
 
 Anything else is aiohttp's: the first request that is not that plain form
-(another route or method, HTTP/1.0, chunked or compressed framing,
-`Expect`, `Upgrade`, `Connection`, a body over the limit, a missing or wrong
+(another route or method, a msgpack body (Conductor's form), HTTP/1.0,
+chunked or compressed framing, `Expect`, `Upgrade`, `Connection`, a body
+over the limit, a missing or wrong
 bearer token, a head httptools (llhttp, the parser aiohttp's own C parser
 is built on) refuses, a body past the shared budget) or whose answer is not
 200 hands the connection over: the front gives aiohttp's request handler
@@ -53,6 +54,7 @@ from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.tcp_helpers import tcp_keepalive
 
+from kvconductor.conductor_wire import MSGPACK
 from kvconductor.http_api import API_KEY, QueryApi, error_body
 
 # Heads past aiohttp's limits (its request handler's defaults: lines of
@@ -60,6 +62,7 @@ from kvconductor.http_api import API_KEY, QueryApi, error_body
 MAX_HEAD_BYTES = 8190
 MAX_HEADERS = 128
 _HEAD_END = b"\r\n\r\n"
+_MSGPACK = MSGPACK.encode()
 
 
 class _Head:
@@ -93,6 +96,9 @@ class _Head:
             self.auth = value
         elif name == b"host":
             self.host = True
+        elif name == b"content-type" and _MSGPACK in value.lower():
+            # Conductor's msgpack form is aiohttp's (http_api answers it).
+            self.plain = False
         elif name in _NOT_PLAIN:
             self.plain = False
 

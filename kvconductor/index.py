@@ -28,8 +28,8 @@ from kvconductor.events import (
 )
 from kvconductor.limits import IndexLimits as IndexLimits
 from kvconductor.media import DEVICE, TIER_NAMES, engine_tier, pool_medium_name, pool_tier
-from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey
-from kvconductor.query import namespace_of, run_query, run_query_json
+from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey, namespace_key
+from kvconductor.query import namespace_of, run_query, run_query_json, run_query_ranks
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
 
@@ -220,7 +220,7 @@ class Index:
                 counters["bad_group_spec"] += max(n, 1)
                 return 0
         ns = self._namespace(
-            NamespaceKey(meta.tenant, meta.model, meta.block_size, ev.lora_name, meta.salt)
+            namespace_key(meta.tenant, meta.model, meta.block_size, ev.lora_name, meta.salt)
         )
         if ns is None:
             return 0
@@ -374,12 +374,13 @@ class Index:
             raise RejectedEvent(f"pool event {i}: no model_name and no kv-model header")
         if block_size is None or block_size <= 0:
             raise RejectedEvent(f"pool event {i}: no valid block_size and no kv-block-size header")
-        return NamespaceKey(
-            ev.tenant_id if ev.tenant_id is not None else meta.tenant,
+        # An empty field is a missing one: the header's, or the default.
+        return namespace_key(
+            ev.tenant_id or meta.tenant,
             model,
             block_size,
             ev.lora_name,
-            ev.additional_salt if ev.additional_salt is not None else meta.salt,
+            ev.additional_salt or meta.salt,
         )
 
     def apply_pool(self, backend_key: str, meta: PoolMeta, batch: PoolBatch, now: float) -> int:
@@ -434,6 +435,12 @@ class Index:
     def query_json(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> bytes:
         """`query`'s answer as JSON (`query.run_query_json`)."""
         return run_query_json(*self._namespaces_of(req), packed)
+
+    def query_ranks(
+        self, req: TokenQuery | HashQuery, packed: bytes | None = None
+    ) -> dict[str, dict[int, tuple[int, int, int]]]:
+        """`query`'s match per rank (`query.run_query_ranks`)."""
+        return run_query_ranks(*self._namespaces_of(req), packed)
 
     def _namespaces_of(
         self, req: TokenQuery | HashQuery

@@ -59,6 +59,15 @@ class NamespaceKey(NamedTuple):
     salt: str
 
 
+def namespace_key(
+    tenant: str | None, model: str, block_size: int, lora_name: str | None, salt: str | None
+) -> NamespaceKey:
+    """The key of a namespace as its fields arrive (queries, events,
+    registrations): a null or empty tenant is `default`, a null or empty
+    LoRA the base model, a null or empty salt none (contract section 1)."""
+    return NamespaceKey(tenant or "default", model, block_size, lora_name or None, salt or "")
+
+
 # Placement targets waiting for content: an owner's own tier or a pool store.
 OwnerTarget = tuple[str, str, int, int]  # ("o", instance, rank, tier)
 PoolTarget = tuple[str, str, str, int]  # ("p", backend, medium, tier)

@@ -25,7 +25,7 @@ from kvconductor.block_store import Matched
 from kvconductor.cache_groups import Prefix, hybrid_hit
 from kvconductor.hashing import MASK64, chain_identities, extra_keys_fingerprint, pack_tokens
 from kvconductor.media import DEVICE
-from kvconductor.namespace_index import NamespaceIndex, NamespaceKey
+from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, namespace_key
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
 
 _encoder = msgspec.json.Encoder()
@@ -34,13 +34,7 @@ _encoder = msgspec.json.Encoder()
 def namespace_of(req: TokenQuery | HashQuery) -> NamespaceKey:
     if req.block_size <= 0:
         raise InvalidQuery("block_size must be a positive integer")
-    return NamespaceKey(
-        req.tenant_id if req.tenant_id is not None else "default",
-        req.model,
-        req.block_size,
-        req.lora_name,
-        req.cache_salt if req.cache_salt is not None else "",
-    )
+    return namespace_key(req.tenant_id, req.model, req.block_size, req.lora_name, req.cache_salt)
 
 
 def packed_prompt(req: TokenQuery) -> bytes:
@@ -175,6 +169,49 @@ def run_query_json(
     if found is None:
         return b"{}"
     return found[0].answer_shape().shape_json(found[1])
+
+
+def run_query_ranks(
+    ns: NamespaceIndex | None,
+    req: TokenQuery | HashQuery,
+    salted: NamespaceIndex | None = None,
+    packed: bytes | None = None,
+) -> dict[str, dict[int, tuple[int, int, int]]]:
+    """`run_query`'s match per listed (instance, rank), not only each
+    instance's best rank: `{instance: {rank: (GPU, CPU, DISK)}}` in tokens
+    (Conductor's answer lists every rank, `conductor_wire`)."""
+    prompt = _prompt(req, packed)
+    out: dict[str, dict[int, tuple[int, int, int]]] = {}
+    found = _matched(ns, req, prompt)
+    if found is not None:
+        _ranks_into(out, *found, hits_only=False)
+    if _salted_too(req, salted):
+        extra = _matched(salted, req, prompt, extra_keys_fingerprint([req.cache_salt]))
+        if extra is not None:
+            _ranks_into(out, *extra, hits_only=True)
+    return out
+
+
+def _ranks_into(
+    out: dict[str, dict[int, tuple[int, int, int]]],
+    ns: NamespaceIndex,
+    lengths: Matched,
+    hits_only: bool,
+) -> None:
+    """Each owner's lengths into `out`, the better one (`_rank`'s order)
+    where two namespaces list the same rank."""
+    bs = ns.block_size
+    for slot, gpu, cpu, disk in lengths:
+        if hits_only and not disk:
+            continue
+        owner = ns.slots[slot]
+        if owner is None:
+            continue
+        ranks = out.setdefault(owner.instance, {})
+        mine = ranks.get(owner.rank)
+        row = (gpu * bs, cpu * bs, disk * bs)
+        if mine is None or (row[2], row[0], row[1]) > (mine[2], mine[0], mine[1]):
+            ranks[owner.rank] = row
 
 
 def _salted_too(req: TokenQuery | HashQuery, salted: NamespaceIndex | None) -> bool:

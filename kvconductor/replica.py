@@ -57,6 +57,7 @@ from kvconductor.index import Index, IndexLimits
 from kvconductor.kafka_errors import KafkaAccessError, check_access
 from kvconductor.metrics import Metrics
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
+from kvconductor.registration_log import RegistrationLog
 from kvconductor.snapshot_store import SnapshotRead, read_snapshot
 from kvconductor.snapshots import (
     SCHEMA_VERSION,
@@ -509,6 +510,14 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     http = cfg.http
+    # The registrations, read: the same list as the daemon's and the bridges'.
+    registrations = (
+        RegistrationLog(
+            cfg.kafka, http.registrations_topic, f"{cfg.kafka.client_id}-replica", writable=False
+        )
+        if http.registrations_topic
+        else None
+    )
     app = make_app(
         replica.conductor,
         replica.metrics,
@@ -516,6 +525,7 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
         max_body_bytes=http.max_body_bytes,
         auth_token=reveal(http.auth_token),
         client_timeout_s=http.client_timeout_s,
+        registrations=registrations,
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -525,9 +535,14 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
         port = site.port
         log.info("replica http listening", host=http.host, port=port, follow=follow)
         delay = 0.5
+        started = False
         while not stopping.is_set():
             try:
-                await replica.start()
+                if not started:
+                    await replica.start()
+                    started = True
+                if registrations is not None:
+                    await registrations.start()
                 break
             except (KafkaAccessError, SnapshotUnusable) as exc:
                 log.error(str(exc))
@@ -541,6 +556,8 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
         await stopping.wait()
         log.info("signal received: stopping the replica")
     finally:
+        if registrations is not None:
+            await registrations.stop()
         await replica.stop()
         await runner.cleanup()
     return 1 if replica.error is not None else 0

@@ -30,9 +30,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvconductor.bridge import Bridge, BridgeConfig, PublisherConfig
-from kvconductor.bridge.config import BridgeSettings
+from kvconductor.bridge.app import Bridge
+from kvconductor.bridge.config import BridgeConfig, BridgeSettings
 from kvconductor.config import KafkaConfig
+from kvconductor.publishers import PublisherConfig
 from tests.harness import FIXTURES, wait_for
 
 END = (2**64 - 1).to_bytes(8, "big")

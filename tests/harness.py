@@ -41,6 +41,7 @@ def daemon_config(bootstrap: str, **overrides: str) -> Config:
         "KVCONDUCTOR_KAFKA_SNAPSHOT_TOPIC": f"kv-index-snapshots-{tag}",
         "KVCONDUCTOR_KAFKA_DEAD_LETTER_TOPIC": f"kv-dead-letters-{tag}",
         "KVCONDUCTOR_KAFKA_REPARTITION_TOPIC": f"kv-index-input-{tag}",
+        "KVCONDUCTOR_HTTP_REGISTRATIONS_TOPIC": f"kv-bridge-registrations-{tag}",
         "KVCONDUCTOR_KAFKA_GROUP_ID": f"kvc-{tag}",
         "KVCONDUCTOR_KAFKA_PARTITIONS": "3",
         "KVCONDUCTOR_HTTP_PORT": "0",

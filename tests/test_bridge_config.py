@@ -14,9 +14,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvconductor.bridge.config import BridgeSettings, load_bridge_config
 from kvconductor.bridge.http import make_app
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.bridge.registry import InvalidRegistration, RegisterBody, to_publisher
 from kvconductor.cli import build_parser
 from kvconductor.config import ConfigError
+from kvconductor.registrations import InvalidRegistration, RegisterBody, to_publisher
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "bridge.toml"
 
@@ -73,7 +73,7 @@ BASE = '[[publishers]]\nid = "e"\nendpoint = "tcp://h:5557"\nmodel = "m"\nblock_
         ("[bridge]\nbatch_size = 1048577\n", {}, "batch_size: must be in [1024, max_request_size"),
         (BASE.replace('model = "m"\n', ""), {}, "#1 (e) model: required for an engine"),
         (BASE.replace("block_size = 16\n", ""), {}, "#1 (e) block_size: required"),
-        (BASE.replace("tcp://h:5557", "tcp://*:5557"), {}, "endpoint: a subscriber connects"),
+        (BASE.replace("tcp://h:5557", "tcp://*:5557"), {}, "tcp://<engine host>:5557"),
         (BASE.replace("tcp://h:5557", "http://h:1"), {}, "endpoint: expected tcp://"),
         (
             BASE + 'kind = "engine"\nsource = "mooncake"\n',

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from structlog.testing import capture_logs
 
 from kvconductor.bridge.buffer import Budget, StreamBuffer
-from kvconductor.bridge.config import PublisherConfig, endpoint_for_rank
 from kvconductor.bridge.frames import (
     END_SEQ,
     FrameError,
@@ -22,9 +22,10 @@ from kvconductor.bridge.frames import (
     replay_request,
 )
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.bridge.records import StreamKey, data_entry, resync_entry
+from kvconductor.bridge.records import data_entry, resync_entry
 from kvconductor.bridge.relay import Relay
 from kvconductor.bridge.replay import ReplayClient, ReplayError
+from kvconductor.publishers import PublisherConfig, StreamKey, endpoint_for_rank
 from kvconductor.records import control_meta, engine_meta, header_map, pool_meta
 from tests.bridge_fakes import END, FakePublisher, fixture_frames, fixture_payloads
 
@@ -147,9 +148,10 @@ def test_records_carry_the_contract_headers() -> None:
         meta._replace(model="m", block_size=16, source="sglang", seq=41, tenant="t", salt="s")
     )
     assert meta.dp_rank == 2 and meta.offload_pool
-    resync = resync_entry(pub, 2, "why")
+    resync = resync_entry(pub, 2, "restarted", "why")
     assert resync.value == b"" and resync.seq is None
     control = control_meta(header_map(resync.headers))
+    assert dict(resync.headers)["kv-control-kind"] == b"restarted"
     assert control is not None and control.dp_rank == 2 and control.reason == "why"
     pool = PublisherConfig(id="mc", endpoint="tcp://h:1", kind="pool", source="mooncake")
     headers = dict(data_entry(pool, 0, 3, b"x").headers)
@@ -312,3 +314,28 @@ async def test_restart_past_the_old_sequence_is_caught_by_the_replay_check() -> 
     replay.held = {5: b"other5", 6: b"other6"}  # restarted again while idle
     await relay.probe()
     assert _seen(buffer)[-3:] == ["R:publisher restarted", 5, 6]
+
+
+async def test_attach_relays_an_idle_publishers_history_at_once() -> None:
+    # The engine publishes nothing more after the bridge starts: its history
+    # is on Kafka all the same (issue #24, item 7).
+    replay = FakeReplay({i: f"p{i}".encode() for i in range(3)})
+    relay, buffer = _relay(replay)
+    with capture_logs() as logs:
+        await relay.attach()
+    assert _seen(buffer) == ["R:bridge attached to the stream", 0, 1, 2]
+    levels = {e["event"]: e["log_level"] for e in logs}
+    assert levels == {"resync": "info", "history replayed": "info"}
+    await relay.on_live(_m(2))  # the live copy of a replayed message: a duplicate
+    await relay.on_live(_m(3))
+    assert _seen(buffer)[-1] == 3 and len(buffer.entries) == 5
+
+
+async def test_attach_with_nothing_held_asks_again_without_a_second_resync() -> None:
+    replay = FakeReplay()
+    relay, buffer = _relay(replay)
+    await relay.attach()
+    replay.held.update({0: b"p0", 1: b"p1"})  # published before the subscription took
+    await relay.on_live(_m(2))
+    assert _seen(buffer) == ["R:bridge attached to the stream", 0, 1, 2]
+    assert replay.requests == [0, 0]

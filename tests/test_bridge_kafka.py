@@ -285,7 +285,7 @@ def check_stream_headers(records: list[Any], base: dict[str, str]) -> None:
         h = headers_of(r)
         assert {k: h[k] for k in base} == base
         extra = set(h) - set(base)
-        assert extra in ({"kv-seq"}, {"kv-control", "kv-control-reason"}), extra
+        assert extra in ({"kv-seq"}, {"kv-control", "kv-control-reason", "kv-control-kind"}), extra
 
 
 def rfc_body(pub: FakePublisher, instance: str, **kw: Any) -> dict[str, Any]:
@@ -451,7 +451,7 @@ async def test_second_bridge_takes_over_registrations(
                 return [x for x in (a, b) if key in x.streams]
 
             # Exactly one bridge relays it: the one the group gave its partition.
-            await wait_for(lambda: len(owners()) == 1 and key in rb.catalog, 30, "one owner")
+            await wait_for(lambda: len(owners()) == 1 and key in rb.log.catalog, 30, "one owner")
             await pub.wait_subscribed()
             for i in range(3):
                 await pub.publish(payload(i))

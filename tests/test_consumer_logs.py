@@ -12,7 +12,8 @@ from consumers.event_consumer import EventConsumer
 from kvconductor.core import Conductor
 from kvconductor.metrics import Metrics
 
-RESYNC = "instance resynchronised: its stream had an unfillable gap, stale blocks cleared"
+RESYNC = "instance resynchronised: its stream lost messages, stale blocks cleared"
+ATTACHED = "instance resynchronised: the bridge attached to its stream, earlier state unknown"
 
 
 def _resync(instance: str, offset: int) -> ConsumerRecord[bytes, bytes]:
@@ -36,3 +37,20 @@ async def test_resyncs_are_logged_once_a_minute_per_instance() -> None:
         await events._apply(_resync("a", 4))
     warned = [(e["instance"], e["suppressed_since_last"]) for e in logs if e["event"] == RESYNC]
     assert warned == [("a", 2)]
+
+
+async def test_a_bridge_attaching_is_logged_as_routine() -> None:
+    conductor = Conductor()
+    unused: Any = None
+    events = EventConsumer(unused, conductor, Metrics(conductor), unused, "engine", "pool", 10)
+    record = _resync("a", 0)
+    record.headers = [
+        ("kv-control", b"resync"),
+        ("kv-control-reason", b"bridge attached to the stream: earlier state unknown"),
+        ("kv-control-kind", b"attached"),
+    ]
+    with capture_logs() as logs:
+        await events._apply(record)
+    (entry,) = [e for e in logs if e["event"] in (ATTACHED, RESYNC)]
+    assert (entry["event"], entry["log_level"]) == (ATTACHED, "info")
+    assert entry["reason"] == "bridge attached to the stream: earlier state unknown"

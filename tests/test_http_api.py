@@ -226,6 +226,21 @@ async def test_explicit_defaults_and_unknown_fields(make_client: MakeClient) -> 
     assert (status, answer) == (200, FULL_ANSWER)
 
 
+async def test_empty_namespace_fields_are_the_defaults(make_client: MakeClient) -> None:
+    # Contract v2 section 1, on aiohttp's path and on the front's (whose JSON
+    # reader is the kernel's when it is built).
+    client = await make_client()
+    for body in (
+        query(tenant_id="", lora_name="", cache_salt=""),
+        query(tenant_id=None, lora_name=None, cache_salt=None),
+    ):
+        status, answer, _ = await post_json(client, "/query", body)
+        assert (status, answer) == (200, FULL_ANSWER)
+    by_hash = {"model": "m", "block_size": BS, "seq_hashes": HASHES, "tenant_id": ""}
+    status, answer, _ = await post_json(client, "/query_by_hash", {**by_hash, "lora_name": ""})
+    assert (status, answer) == (200, FULL_ANSWER)
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -10,10 +10,7 @@ resync), `records` (keys and headers of the contract), `buffer` (ordered
 bounded buffers, backpressure), `sink` (the idempotent producer and its
 recovery), `registry` (run-time registrations on a compacted topic), `http`
 (the API), `metrics`, `stream` (one publisher socket end to end) and `app`
-(the bridge and `run_bridge`). See docs/bridge.md.
+(the bridge and `run_bridge`), each imported from its module: the daemon
+imports the pure ones (`config`, `records`) through
+`kvconductor.registrations` without the rest. See docs/bridge.md.
 """
-
-from kvconductor.bridge.app import Bridge, run_bridge
-from kvconductor.bridge.config import BridgeConfig, PublisherConfig, load_bridge_config
-
-__all__ = ["Bridge", "BridgeConfig", "PublisherConfig", "load_bridge_config", "run_bridge"]

@@ -25,16 +25,17 @@ from aiokafka.errors import KafkaError
 
 from consumers.topics import TopicError, TopicSpec, ensure_topics_on
 from kvconductor.bridge.buffer import Budget, StreamBuffer
-from kvconductor.bridge.config import BridgeConfig, PublisherConfig
+from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.http import make_app
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.bridge.records import Entry, StreamKey, resync_entry
-from kvconductor.bridge.registry import RegisterBody, RegistrationConflict, Registry, to_publisher
+from kvconductor.bridge.records import Entry, resync_entry
+from kvconductor.bridge.registry import Registry
 from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
 from kvconductor.config import Config, kafka_client_options, reveal
 from kvconductor.daemon import topic_specs
 from kvconductor.kafka_errors import check_access
+from kvconductor.publishers import PublisherConfig, StreamKey
 from kvconductor.service import FatalError, serve_until_signalled
 
 log = structlog.get_logger("kvconductor.bridge")
@@ -78,7 +79,9 @@ class Bridge:
             key: pub for pub in cfg.publishers for key in stream_keys(pub)
         }
         self.registry: Registry | None = (
-            Registry(cfg, self.metrics, self.reconcile) if b.registrations else None
+            Registry(cfg, self.metrics, self.reconcile, self.static.keys())
+            if b.registrations
+            else None
         )
         self.streams: dict[StreamKey, Stream] = {}
         self.ctx: zmq.asyncio.Context | None = None
@@ -117,7 +120,7 @@ class Bridge:
             },
         }
         if self.registry is not None:
-            detail["registrations"] = len(self.registry.catalog)
+            detail["registrations"] = len(self.registry.log.catalog)
             detail["registration_partitions"] = sorted(self.registry.owned)
         return ok, detail
 
@@ -126,16 +129,6 @@ class Bridge:
             "streams": [self.streams[k].describe() for k in sorted(self.streams)],
             "registrations": self.registry.describe() if self.registry is not None else [],
         }
-
-    async def register(self, body: RegisterBody) -> StreamKey:
-        assert self.registry is not None
-        pub = to_publisher(body)
-        key = StreamKey(pub.id, pub.dp_rank)
-        if key in self.static:
-            raise RegistrationConflict(
-                f"{key.id!r} rank {key.rank} is defined in this bridge's config file"
-            )
-        return await self.registry.register(body)
 
     # ----------------------------------------------------------- streams
 
@@ -147,7 +140,7 @@ class Bridge:
             desired = dict(self.static)
             catalog: set[StreamKey] = set()
             if self.registry is not None:
-                catalog = set(self.registry.catalog)
+                catalog = set(self.registry.log.catalog)
                 for key, pub in self.registry.desired().items():
                     desired.setdefault(key, pub)
             stops: list[Awaitable[None]] = []
@@ -197,7 +190,7 @@ class Bridge:
         )
         if pub is None:  # pragma: no cover - the stream owns its buffer
             return Entry(entry.key, b"", [("kv-control", b"resync")], None, 64)
-        return resync_entry(pub, buffer.key.rank, reason)
+        return resync_entry(pub, buffer.key.rank, "too_large", reason)
 
     # --------------------------------------------------------------- run
 

@@ -19,7 +19,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvconductor.bridge.records import Entry, StreamKey
+from kvconductor.bridge.records import Entry
+from kvconductor.publishers import StreamKey
 
 
 class Budget:

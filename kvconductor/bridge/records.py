@@ -3,28 +3,20 @@
 One record per ZMQ message: key = instance or backend id, value = the payload
 bytes untouched, headers from the publisher's configuration plus `kv-seq`.
 A resync control record (`kv-control: resync`) has an empty value and the
-same key and headers, minus `kv-seq`, plus `kv-control-reason`.
+same key and headers, minus `kv-seq`, plus `kv-control-reason` (what
+happened, in words) and `kv-control-kind` (its label: `attached` on a normal
+first attach, `restarted`, `no_replay`, `replay_failed`, `replay_overrun`,
+`too_large`, `unregistered`), from which the daemon logs it at its level.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from kvconductor.bridge.config import PublisherConfig
+from kvconductor.publishers import PublisherConfig
 
 Headers = list[tuple[str, bytes]]
-
-
-class StreamKey(NamedTuple):
-    """One ZMQ socket of a publisher: its id and dp rank."""
-
-    id: str
-    rank: int
-
-    def __str__(self) -> str:
-        return f"{self.id}/{self.rank}"
 
 
 @dataclass(slots=True, eq=False)
@@ -66,10 +58,11 @@ def data_entry(pub: PublisherConfig, rank: int, seq: int, payload: bytes) -> Ent
     return Entry(key, payload, headers, seq, len(payload) + len(key) + 64)
 
 
-def resync_entry(pub: PublisherConfig, rank: int, reason: str) -> Entry:
+def resync_entry(pub: PublisherConfig, rank: int, kind: str, reason: str) -> Entry:
     headers = [
         ("kv-control", b"resync"),
         ("kv-control-reason", reason.encode()),
+        ("kv-control-kind", kind.encode()),
         *base_headers(pub, rank),
     ]
     key = pub.id.encode()

@@ -1,152 +1,35 @@
-"""Run-time registrations (Mooncake RFC #1403 bodies) on a compacted topic.
+"""Which bridge relays which registration.
 
-`POST /register` writes the registration to `registrations_topic`, key
-`["<instance_id>", <dp_rank>]` (JSON), value `{"version": 1,
-"registration": <the RFC body>}`; `POST /unregister` writes a tombstone
-(null value) for that key. The topic is log-compacted, so it always holds
-the current registrations, and nothing else is stored anywhere.
-
-Every bridge reads the whole topic (the catalog) and follows it. Which
+Registrations (`kvconductor.registrations`, made at any bridge or daemon)
+live on the compacted `registrations_topic` (`kvconductor.registration_log`);
+every bridge reads the whole topic (the catalog) and follows it. Which
 bridge relays which registration is decided by a Kafka consumer group
 (`bridge.group_id`) on the same topic: a bridge relays the registrations in
 the partitions the group assigns to it. One bridge relays them all; a
 second one takes half of them; when a bridge stops or dies, the group hands
 its partitions, and with them its registrations, to the others. A restarted
 bridge reads them back from the topic.
-
-Body (JSON): `endpoint`, `replay_endpoint` ("" or null: none), `type`
-(`vLLM`, `SGLang`, `TRTLLM` or `TensorRT-LLM`: an engine; `Mooncake`: a pool
-backend; any case), `modelname`, `lora_name`, `tenant_id` (default
-"default"), `instance_id`, `block_size`, `dp_rank` (default 0),
-`additionalsalt`; and, as a kvconductor extension, `kv_offload` (`local` or
-`pool`, engines only). Unknown fields are ignored. A registration is one
-socket: `endpoint` is the socket of rank `dp_rank`. Registering the same
-`(instance_id, dp_rank)` again replaces it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection
 
 import msgspec
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
-from kvconductor.bridge.config import BridgeConfig, PublisherConfig, publisher_from_mapping
+from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.bridge.records import StreamKey
-from kvconductor.config import ConfigError, kafka_client_options
+from kvconductor.publishers import PublisherConfig, StreamKey
+from kvconductor.registration_log import CALL_TIMEOUT_S, RegistrationLog, cancelled
+from kvconductor.registrations import RegisterBody, RegistrationConflict, to_publisher
 
 log = structlog.get_logger("kvconductor.bridge.registry")
-
-VERSION = 1
-CALL_TIMEOUT_S = 15.0
-
-TYPES: dict[str, tuple[str, str]] = {
-    "vllm": ("engine", "vllm"),
-    "sglang": ("engine", "sglang"),
-    "trtllm": ("engine", "trtllm"),
-    "trt-llm": ("engine", "trtllm"),
-    "tensorrt-llm": ("engine", "trtllm"),
-    "tensorrt_llm": ("engine", "trtllm"),
-    "mooncake": ("pool", "mooncake"),
-}
-
-
-class RegisterBody(msgspec.Struct, kw_only=True):
-    endpoint: str
-    type: str
-    instance_id: str
-    replay_endpoint: str | None = None
-    modelname: str | None = None
-    lora_name: str | None = None
-    tenant_id: str | None = None
-    block_size: int | None = None
-    dp_rank: int = 0
-    additionalsalt: str | None = None
-    kv_offload: str | None = None
-
-
-class UnregisterBody(msgspec.Struct, kw_only=True):
-    instance_id: str
-    dp_rank: int = 0
-    type: str | None = None
-    modelname: str | None = None
-    lora_name: str | None = None
-    tenant_id: str | None = None
-    block_size: int | None = None
-
-
-class _Stored(msgspec.Struct):
-    version: int
-    registration: RegisterBody
-
-
-class InvalidRegistration(ValueError):
-    """A registration body that cannot be relayed (answered with 400)."""
-
-
-class RegistrationConflict(ValueError):
-    """A registration for a publisher rank the config file defines (409)."""
-
-
-def to_publisher(body: RegisterBody) -> PublisherConfig:
-    """The publisher a registration describes; InvalidRegistration if it cannot be relayed."""
-    kind_source = TYPES.get(body.type.strip().lower())
-    if kind_source is None:
-        raise InvalidRegistration(
-            f"type: expected vLLM, SGLang, TRTLLM or Mooncake, got {body.type!r}"
-        )
-    raw: dict[str, object] = {
-        "id": body.instance_id,
-        "endpoint": body.endpoint,
-        "kind": kind_source[0],
-        "source": kind_source[1],
-        "replay_endpoint": body.replay_endpoint or None,
-        "dp_rank": body.dp_rank,
-        "tenant": body.tenant_id or "default",
-        "salt": body.additionalsalt or "",
-    }
-    if body.modelname:
-        raw["model"] = body.modelname
-    if body.block_size is not None:
-        raw["block_size"] = body.block_size
-    if body.lora_name:
-        raw["lora_name"] = body.lora_name
-    if body.kv_offload:
-        raw["offload"] = body.kv_offload
-    raw = {k: v for k, v in raw.items() if v is not None}
-    names = {
-        "id": "instance_id",
-        "model": "modelname",
-        "tenant": "tenant_id",
-        "salt": "additionalsalt",
-        "offload": "kv_offload",
-    }
-    try:
-        return publisher_from_mapping(raw, "registration")
-    except ConfigError as exc:
-        text = str(exc).removeprefix("config error: registration ")
-        key, _, why = text.partition(":")
-        raise InvalidRegistration(f"{names.get(key, key)}:{why}") from None
-
-
-def record_key(key: StreamKey) -> bytes:
-    return msgspec.json.encode([key.id, key.rank])
-
-
-def _decode_key(raw: bytes | None) -> StreamKey | None:
-    try:
-        instance, rank = msgspec.json.decode(raw or b"", type=tuple[str, int])
-    except (msgspec.DecodeError, ValueError):
-        return None
-    return StreamKey(instance, rank)
 
 
 class Registry:
@@ -155,125 +38,41 @@ class Registry:
         cfg: BridgeConfig,
         metrics: BridgeMetrics,
         on_change: Callable[[], Awaitable[None]],
+        reserved: Collection[StreamKey] = (),
     ) -> None:
+        """`reserved`: the ranks the config file defines (not registrable)."""
         self.cfg = cfg
+        self.reserved = reserved
         self.topic = cfg.bridge.registrations_topic
         self.metrics = metrics
         self.on_change = on_change
-        self.catalog: dict[StreamKey, tuple[int, PublisherConfig, RegisterBody]] = {}
+        self.log = RegistrationLog(cfg.kafka, self.topic, cfg.bridge.client_id, self._changed)
         self.owned: set[int] = set()
-        self.loaded = asyncio.Event()
-        self.producer: Any = None
-        self.catalog_consumer: Any = None
-        self.group_consumer: Any = None
-        self.tasks: list[asyncio.Task[None]] = []
+        self.group_consumer: AIOKafkaConsumer | None = None
+        self.task: asyncio.Task[None] | None = None
 
     # --------------------------------------------------------- lifecycle
 
-    def _options(self) -> dict[str, Any]:
-        k = self.cfg.kafka
-        return {"bootstrap_servers": k.bootstrap_servers, **kafka_client_options(k)}
-
     async def start(self) -> None:
-        """Start the clients and read the catalog to its end (retried by the caller)."""
-        b = self.cfg.bridge
-        self.producer = AIOKafkaProducer(
-            client_id=f"{b.client_id}-registry",
-            acks="all",
-            enable_idempotence=True,
-            **self._options(),
+        """Read the catalog to its end and join the group (retried by the caller)."""
+        await self.log.start()
+        self.metrics.registrations.set(len(self.log.catalog))
+        self.task = asyncio.get_running_loop().create_task(
+            self._own(), name="bridge-registry-group"
         )
-        self.catalog_consumer = AIOKafkaConsumer(
-            self.topic,
-            client_id=f"{b.client_id}-catalog",
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=200,
-            **self._options(),
-        )
-        try:
-            await asyncio.wait_for(self.producer.start(), CALL_TIMEOUT_S)
-            await asyncio.wait_for(self.catalog_consumer.start(), CALL_TIMEOUT_S)
-            await asyncio.wait_for(self._load(), CALL_TIMEOUT_S * 2)
-        except BaseException:
-            await self._stop_clients()
-            raise
-        loop = asyncio.get_running_loop()
-        self.tasks.append(loop.create_task(self._follow(), name="bridge-registry-catalog"))
-        self.tasks.append(loop.create_task(self._own(), name="bridge-registry-group"))
 
     async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self.tasks.clear()
-        await self._stop_clients()
+        task, self.task = self.task, None
+        await cancelled(task)
+        consumer, self.group_consumer = self.group_consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(consumer.stop(), CALL_TIMEOUT_S)
+        await self.log.stop()
 
-    async def _stop_clients(self) -> None:
-        for name in ("group_consumer", "catalog_consumer", "producer"):
-            client = getattr(self, name)
-            setattr(self, name, None)
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(client.stop(), CALL_TIMEOUT_S)
-
-    # ------------------------------------------------------------ catalog
-
-    def _apply(self, record: Any) -> bool:
-        key = _decode_key(record.key)
-        if key is None:
-            log.warning("registration with an unreadable key skipped", offset=record.offset)
-            return False
-        if record.value is None:
-            return self.catalog.pop(key, None) is not None
-        try:
-            stored = msgspec.json.decode(record.value, type=_Stored)
-            if stored.version != VERSION:
-                raise InvalidRegistration(f"unknown version {stored.version}")
-            pub = to_publisher(stored.registration)
-        except (msgspec.DecodeError, msgspec.ValidationError, InvalidRegistration) as exc:
-            log.warning("registration skipped", key=str(key), error=str(exc))
-            return False
-        old = self.catalog.get(key)
-        self.catalog[key] = (record.partition, pub, stored.registration)
-        return old is None or old[1] != pub or old[0] != record.partition
-
-    async def _load(self) -> None:
-        consumer = self.catalog_consumer
-        while not consumer.assignment():
-            await consumer.getmany(timeout_ms=100)
-        parts = list(consumer.assignment())
-        ends = await consumer.end_offsets(parts)
-        while True:
-            batch = await consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                for record in records:
-                    self._apply(record)
-            if all([await consumer.position(tp) >= ends[tp] for tp in parts]):
-                break
-        self.metrics.registrations.set(len(self.catalog))
-        self.loaded.set()
-        log.info("registrations loaded", registrations=len(self.catalog))
-
-    async def _follow(self) -> None:
-        consumer = self.catalog_consumer
-        while True:
-            try:
-                batch = await consumer.getmany(timeout_ms=1000)
-            except KafkaError as exc:
-                log.warning("reading registrations failed; retrying", error=str(exc))
-                await asyncio.sleep(1.0)
-                continue
-            changed = False
-            for records in batch.values():
-                for record in records:
-                    changed |= self._apply(record)
-            if changed:
-                self.metrics.registrations.set(len(self.catalog))
-                await self.on_change()
+    async def _changed(self) -> None:
+        self.metrics.registrations.set(len(self.log.catalog))
+        await self.on_change()
 
     # ---------------------------------------------------------- ownership
 
@@ -304,7 +103,7 @@ class Registry:
                 auto_offset_reset="latest",
                 # Rebalances (a bridge joining or leaving) within about a second.
                 heartbeat_interval_ms=1000,
-                **self._options(),
+                **self.log.options(),
             )
             try:
                 await asyncio.wait_for(consumer.start(), CALL_TIMEOUT_S)
@@ -325,42 +124,38 @@ class Registry:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
-    def desired(self) -> dict[StreamKey, PublisherConfig]:
-        """The registrations this bridge relays (those of its partitions)."""
-        return {k: pub for k, (part, pub, _) in self.catalog.items() if part in self.owned}
-
-    # ------------------------------------------------------------- writes
+    # ------------------------------------------------- the registrar's part
 
     async def register(self, body: RegisterBody) -> StreamKey:
         pub = to_publisher(body)
         key = StreamKey(pub.id, pub.dp_rank)
-        value = msgspec.json.encode({"version": VERSION, "registration": body})
-        await self._write(key, value)
-        return key
+        if key in self.reserved:
+            raise RegistrationConflict(
+                f"{key.id!r} rank {key.rank} is defined in this bridge's config file"
+            )
+        return await self.log.register(body)
 
-    async def unregister(self, key: StreamKey) -> bool:
-        if key not in self.catalog:
-            return False
-        await self._write(key, None)
-        return True
+    def find(self, instance_id: str, tenant_id: str | None, dp_rank: int) -> StreamKey | None:
+        return self.log.find(instance_id, tenant_id, dp_rank)
 
-    async def _write(self, key: StreamKey, value: bytes | None) -> None:
-        if self.producer is None:
-            raise KafkaError("registrations are not loaded yet")
-        start = time.monotonic()
-        fut = await asyncio.wait_for(
-            self.producer.send(self.topic, key=record_key(key), value=value), CALL_TIMEOUT_S
-        )
-        await asyncio.wait_for(fut, max(1.0, CALL_TIMEOUT_S - (time.monotonic() - start)))
+    async def unregister(self, key: StreamKey) -> None:
+        await self.log.unregister(key)
+
+    def bodies(self) -> list[RegisterBody]:
+        return self.log.bodies()
+
+    def desired(self) -> dict[StreamKey, PublisherConfig]:
+        """The registrations this bridge relays (those of its partitions)."""
+        return {k: e.publisher for k, e in self.log.catalog.items() if e.partition in self.owned}
 
     def describe(self) -> list[dict[str, object]]:
         return [
             {
                 "instance_id": key.id,
                 "dp_rank": key.rank,
-                "partition": part,
-                "relayed_here": part in self.owned,
-                "registration": msgspec.to_builtins(body),
+                "partition": e.partition,
+                "relayed_here": e.partition in self.owned,
+                "registration": msgspec.to_builtins(e.body),
             }
-            for key, (part, _, body) in sorted(self.catalog.items())
+            for key, e in sorted(self.log.catalog.items())
         ]

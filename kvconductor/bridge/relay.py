@@ -5,11 +5,14 @@ buffer so that the records on Kafka are, per stream, exactly the publisher's
 messages in sequence order, each once, with a resync control record wherever
 that cannot hold:
 
-- attach (the first message the bridge sees of this stream, or of a
-  restarted publisher): a resync record first, since whatever the index holds
-  for the instance's rank may be stale; then, if there is a replay endpoint
-  and the first message is not seq 0, everything the publisher still buffers
-  from seq 0 on (its history, as far as it goes), then the live messages;
+- attach (the stream starts with a replay endpoint, or without one the
+  first message the bridge sees of it, or of a restarted publisher): a
+  resync record first, since whatever the index holds for the instance's
+  rank may be stale; then, if there is a replay endpoint, everything the
+  publisher still buffers from seq 0 on (its history, as far as it goes),
+  at once, so an idle engine's cache is indexed before it serves again; then
+  the live messages (if the replay found nothing, the first live message
+  that is not seq 0 asks for the history again, without a second resync);
 - restart: the live sequence goes back (a new publisher process counts from
   0 again), or a live message comes under a number a replay already relayed
   but is not that message: resync with reason `restarted`, then as attach;
@@ -38,16 +41,17 @@ from collections.abc import AsyncIterator, Callable
 import structlog
 
 from kvconductor.bridge.buffer import StreamBuffer
-from kvconductor.bridge.config import PublisherConfig
 from kvconductor.bridge.frames import Message
 from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import data_entry, resync_entry
 from kvconductor.bridge.replay import ReplayError
+from kvconductor.publishers import PublisherConfig
 
 log = structlog.get_logger("kvconductor.bridge.relay")
 
 ReplayFetch = Callable[[int], AsyncIterator[Message]]
 MISMATCH = "mismatch"
+ATTACHED = "bridge attached to the stream: earlier state unknown"
 
 
 class Relay:
@@ -72,6 +76,8 @@ class Relay:
         # if they are the same messages.
         self._ahead: deque[tuple[int, int]] = deque()
         self._last: tuple[int, int] | None = None  # (seq, hash) last relayed
+        # A resync was written and the history replay found nothing yet.
+        self._fresh = False
 
     # ------------------------------------------------------------- input
 
@@ -86,9 +92,10 @@ class Relay:
             )
             return
         if self.expected is None:
-            await self._begin(
-                msg, "attached", "bridge attached to the stream: earlier state unknown"
-            )
+            if self._fresh:
+                await self._history(msg, "attached")
+            else:
+                await self._begin(msg, "attached", ATTACHED)
             return
         if msg.seq < self.expected:
             if self._replayed(msg):
@@ -113,6 +120,12 @@ class Relay:
                 self.metrics.duplicates.labels(*self.labels).inc()
                 return
         await self._relay(msg)
+
+    async def attach(self) -> None:
+        """The stream starts: with a replay endpoint, resync and relay the
+        publisher's history now, not on its next message."""
+        if self.replay is not None:
+            await self._begin(None, "attached", ATTACHED)
 
     async def probe(self) -> None:
         """The live socket was quiet for a while: ask the replay endpoint for
@@ -151,8 +164,10 @@ class Relay:
     async def resync(self, label: str, reason: str) -> None:
         """Write a resync record (the daemon clears this instance's rank)."""
         self.metrics.resyncs.labels(*self.labels, label).inc()
-        log.warning("resync", stream=str(self.buffer.key), reason=reason)
-        await self.buffer.put(resync_entry(self.pub, self.rank, reason))
+        # Attaching is how every stream starts; the others lose messages.
+        level = log.info if label == "attached" else log.warning
+        level("resync", stream=str(self.buffer.key), kind=label, reason=reason)
+        await self.buffer.put(resync_entry(self.pub, self.rank, label, reason))
 
     async def _relay(self, msg: Message) -> None:
         await self.buffer.put(data_entry(self.pub, self.rank, msg.seq, msg.payload))
@@ -171,9 +186,22 @@ class Relay:
         self.expected = None
         self._last = None
         self._ahead.clear()
+        await self._history(msg, label)
+
+    async def _history(self, msg: Message | None, label: str) -> None:
+        """After a resync: the replay from seq 0, then `msg`."""
+        self._fresh = False
         if self.replay is not None and (msg is None or msg.seq > 0):
-            await self._replay(0, 0 if msg is None else msg.seq, fresh=True)
+            outcome = await self._replay(0, 0 if msg is None else msg.seq, fresh=True)
+            log.info(
+                "history replayed",
+                stream=str(self.buffer.key),
+                after=label,
+                outcome=outcome,
+                next_seq=self.expected,
+            )
         if msg is None:
+            self._fresh = self.expected is None
             return
         if self.expected is None or msg.seq == self.expected:
             await self._relay(msg)

@@ -36,9 +36,10 @@ from aiokafka.partitioner import murmur2
 from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.bridge.records import Entry, StreamKey
+from kvconductor.bridge.records import Entry
 from kvconductor.config import kafka_client_options
 from kvconductor.kafka_clients import retire
+from kvconductor.publishers import StreamKey
 
 log = structlog.get_logger("kvconductor.bridge.sink")
 

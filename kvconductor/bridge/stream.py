@@ -15,13 +15,13 @@ import structlog
 import zmq.asyncio
 
 from kvconductor.bridge.buffer import Budget, StreamBuffer
-from kvconductor.bridge.config import BridgeSettings, PublisherConfig, endpoint_for_rank
+from kvconductor.bridge.config import BridgeSettings
 from kvconductor.bridge.frames import FrameError, parse_live
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.bridge.records import StreamKey
 from kvconductor.bridge.relay import Relay
 from kvconductor.bridge.replay import ReplayClient
 from kvconductor.bridge.subscription import Subscription
+from kvconductor.publishers import PublisherConfig, StreamKey, endpoint_for_rank
 
 log = structlog.get_logger("kvconductor.bridge.stream")
 
@@ -77,6 +77,7 @@ class Stream:
         )
         idle_ms = int(self.settings.idle_probe_s * 1000)
         try:
+            await self.relay.attach()
             while True:
                 if idle_ms > 0 and not await sub.poll(idle_ms):
                     await self.relay.probe()
