@@ -588,9 +588,14 @@ def _check_owners(ns: NamespaceIndex, lim: IndexLimits, dump: dict[str, Any]) ->
         for rank, owner in ranks.items():
             assert (owner.instance, owner.rank) == (instance, rank)
             assert ns.slots[owner.slot] is owner
-            # Contract 4: a rank is listed only while it holds a block.
+            # Contract 4: a rank is listed only while it holds a block, in
+            # a tier or in a KV-cache group other than the primary one.
             size = ns.store.owner_size(owner.slot)
-            assert 0 < size <= lim.max_blocks_per_owner, (ns.key, instance, rank)
+            assert size <= lim.max_blocks_per_owner, (ns.key, instance, rank)
+            assert size or owner.group_blocks(), (ns.key, instance, rank)
+            assert (owner.slot in ns.hybrid) == bool(owner.groups), (ns.key, instance, rank)
+            for (tier, seq), extra in owner.copies.items():
+                assert extra > 0 and seq in dump["owners"][owner.slot][0][tier]
             all_bits |= owner.bit
             tiers, dups = dump["owners"][owner.slot]
             for tier in (DEVICE, HOST, DISK):
