@@ -16,7 +16,6 @@ publisher through the bridge.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import random
@@ -367,13 +366,13 @@ async def ctx() -> Any:
 
 
 @pytest.mark.kafka
+@pytest.mark.parametrize("run", ["scripted", "random-seed3"])
 async def test_a_real_vllm_through_its_zmq_socket_the_bridge_and_the_daemon(
-    kafka_bootstrap: str, ctx: zmq.asyncio.Context
+    kafka_bootstrap: str, ctx: zmq.asyncio.Context, run: str
 ) -> None:
     """Every message of the captured run, published on a ZMQ socket as vLLM
     did, through the bridge and Kafka; before each request the daemon has
     applied what vLLM had published, and answers vLLM's `cached_tokens`."""
-    run = "scripted"
     messages = live_messages(run)
     dcfg = daemon_config(kafka_bootstrap)
     pub = FakePublisher(ctx)
@@ -406,7 +405,6 @@ async def test_a_real_vllm_through_its_zmq_socket_the_bridge_and_the_daemon(
                 status, answer = await http_json(port, "POST", "/query", body)
                 assert status == 200
                 assert capped(answer, step["prompt"]) == step["cached_tokens"], step["name"]
-            await asyncio.sleep(0)
     finally:
         await pub.close()
 
