@@ -264,7 +264,7 @@ class NamespaceIndex:
                     ku = self.unresolved.get(k)
                     if ku is not None:
                         child = block_identity(ku.block, i, ku.extra)
-                        if ku.extra is None:
+                        if self.local_map is not None and ku.extra is None:
                             self._learn_local(i, ku.block, [child])
                         stack.append((k, child))
 
