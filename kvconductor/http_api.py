@@ -30,7 +30,8 @@ is set: on the queries, the registration routes and /workers only; with
 `WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
 not received within `client_timeout_s`), 413 (body over `max_body_bytes`,
 refused from its Content-Length before reading any of it, or once a chunked
-body passes it), 500, 503 (with `Retry-After`: more than
+body passes it), 500, 501 (`/query_tiered_by_hash` while the local hash map
+is off), 503 (with `Retry-After`: more than
 `BODY_BUDGET_FACTOR * max_body_bytes` of request bodies buffered at once).
 A client that hangs up mid-request is counted in the metrics as 499.
 
