@@ -26,7 +26,7 @@ from tests import test_http_api
 from tests.test_http_api import BS, HASHES, TOKENS, assert_error, meta, post_json, query, store
 
 if TYPE_CHECKING:
-    from tests.test_http_api import MakeClient
+    from tests.test_http_api import Client, MakeClient
 
 make_client = test_http_api.make_client
 
@@ -79,6 +79,13 @@ def tiers(answer: dict[str, Any]) -> dict[str, dict[tuple[int, int], int]]:
     for name, hits in tiered["lower_tier"]:
         out[name] = by_worker(hits["hits"])
     return out
+
+
+async def device_hits(client: Client) -> dict[tuple[int, int], int]:
+    """The device scores of Dynamo's query for the whole of TOKENS."""
+    status, answer, _ = await post_json(client, PATH, body())
+    assert status == 200, answer
+    return tiers(answer)["device"]
 
 
 # ------------------------------------------------------------- answers
@@ -192,9 +199,7 @@ async def test_lora_blocks_match_under_the_lora_seed(make_client: MakeClient) ->
     assert answer["block_size"] == BS
     assert tiers(answer)["device"] == {(worker_id("vllm-0"), 0): 3}
     # The base model's hashes of the same tokens are another namespace's.
-    status, answer, _ = await post_json(client, PATH, body())
-    assert status == 200
-    assert tiers(answer)["device"] == {}
+    assert await device_hits(client) == {}
     # /query for the same tokens and LoRA agrees.
     status, contract, _ = await post_json(client, "/query", query(lora_name="adapter-a"))
     assert contract["default"]["vllm-0"]["GPU"] == 3 * BS
@@ -293,9 +298,7 @@ async def test_a_chain_resolved_late_is_learnt(make_client: MakeClient) -> None:
     store(conductor, "vllm-0", 1, 1, None)
     store(conductor, "vllm-0", 0, 0, None)
     client = await make_client(conductor)
-    status, answer, _ = await post_json(client, PATH, body())
-    assert status == 200
-    assert tiers(answer)["device"] == {(worker_id("vllm-0"), 0): 2}
+    assert await device_hits(client) == {(worker_id("vllm-0"), 0): 2}
 
 
 async def test_a_full_map_shortens_answers_never_falsifies_them(make_client: MakeClient) -> None:
@@ -305,13 +308,10 @@ async def test_a_full_map_shortens_answers_never_falsifies_them(make_client: Mak
     store(conductor, "vllm-0", 0, 1, None)
     store(conductor, "vllm-0", 2, 3, None)
     client = await make_client(conductor)
-    status, answer, _ = await post_json(client, PATH, body())
-    assert status == 200
-    assert tiers(answer)["device"] == {(worker_id("vllm-0"), 0): 1}
+    assert await device_hits(client) == {(worker_id("vllm-0"), 0): 1}
     # Block 1 stored again is learnt again, and block 2's edge goes.
     store(conductor, "vllm-0", 1, 1, None)
-    status, answer, _ = await post_json(client, PATH, body())
-    assert tiers(answer)["device"] == {(worker_id("vllm-0"), 0): 2}
+    assert await device_hits(client) == {(worker_id("vllm-0"), 0): 2}
 
 
 def test_local_hash_map_is_bounded_oldest_first() -> None:
@@ -357,12 +357,9 @@ async def test_a_restored_index_learns_the_map_again(make_client: MakeClient) ->
     restored = Conductor(ON)
     restore(restored.index, {k: u for k, u in units.items() if u is not None})
     client = await make_client(restored)
-    status, answer, _ = await post_json(client, PATH, body())
-    assert status == 200
-    assert tiers(answer)["device"] == {(worker_id("vllm-0"), 0): 1}
+    assert await device_hits(client) == {(worker_id("vllm-0"), 0): 1}
     assert restored.query_ranks(TokenQuery(model="m", block_size=BS, token_ids=TOKENS)) == {
         "vllm-0": {0: (4 * BS, 4 * BS, 4 * BS)}
     }
     store(restored, "vllm-0", 0, 3, None)
-    status, answer, _ = await post_json(client, PATH, body())
-    assert tiers(answer)["device"] == {(worker_id("vllm-0"), 0): 4}
+    assert await device_hits(client) == {(worker_id("vllm-0"), 0): 4}
