@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
-from kvconductor.limits import IndexLimits
+from kvconductor.limits import IndexLimits, limit_error
 
 ENV_PREFIX = "KVCONDUCTOR_"
 
@@ -468,9 +468,10 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Confi
     except TypeError as exc:  # pragma: no cover - keys and types were checked above
         raise ConfigError(str(exc)) from exc
     for key, limit in values["index"].items():
-        if isinstance(limit, (int, float)) and limit <= 0:
+        wrong = limit_error(key, limit) if isinstance(limit, (int, float)) else None
+        if wrong is not None:
             where, source = _where("index", key), src("index", key)
-            raise ConfigError(f"{where}: must be positive, got {limit!r} (from {source})")
+            raise ConfigError(f"{where}: {wrong}, got {limit!r} (from {source})")
     try:
         index = IndexLimits(**values["index"])  # type: ignore[arg-type]
     except ValueError as exc:  # IndexLimits' own checks, should it gain more

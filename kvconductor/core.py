@@ -102,6 +102,19 @@ class Conductor:
         match behind `query`, for answers that list every rank."""
         return self.index.query_ranks(req, packed)
 
+    @property
+    def local_hash_map_on(self) -> bool:
+        """Whether namespaces learn Dynamo's local block hashes (`query_local_hashes`)."""
+        return self.index.limits.local_hash_map > 0
+
+    def query_local_hashes(
+        self, tenant: str, model: str, local: list[int]
+    ) -> tuple[int, dict[str, dict[int, tuple[int, int, int]]]]:
+        """A prompt named by Dynamo's local block hashes (u64): the block
+        size of its namespace and, per listed instance and rank, (GPU, CPU,
+        DISK) in tokens (`query.run_local_hash_query`)."""
+        return self.index.query_local_hashes(tenant, model, local)
+
     # ----------------------------------------------------------- reading
 
     @property

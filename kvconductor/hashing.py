@@ -146,3 +146,11 @@ _encode = msgspec.msgpack.encode
 def block_identity(block_bytes: bytes, parent: int, extra: int | None) -> int:
     """One step of `chain_identities`, for chains resolved late."""
     return _xxh3(block_bytes, parent if extra is None else parent ^ extra)
+
+
+def local_hashes(token_bytes: bytes, n_blocks: int, block_size: int, seed: int) -> list[int]:
+    """The contract's local hashes of the first `n_blocks` full blocks of
+    `token_bytes`, each from `seed` (not chained): the names Dynamo's router
+    gives a prompt's blocks."""
+    step = block_size * 4
+    return [_xxh3(token_bytes[s : s + step], seed) for s in range(0, n_blocks * step, step)]

@@ -13,6 +13,8 @@ Endpoints:
   `Content-Type: application/msgpack`, Mooncake Conductor's form instead
   (`conductor_wire`): its answer, and its 400 `{error, reason, field?,
   index?}` in msgpack.
+- `POST /query_tiered_by_hash`: NVIDIA Dynamo's remote-indexer query
+  (`dynamo_wire`), JSON; 501 when `index.local_hash_map` is 0 (off).
 - `POST /register`, `POST /unregister`, `GET /services`, `GET /global_view`:
   `registration_http`'s routes over `registrations` (a `RegistrationLog`;
   None: 404).
@@ -28,7 +30,8 @@ is set: on the queries, the registration routes and /workers only; with
 `WWW-Authenticate: Bearer`), 404, 405 (with `Allow`), 408 (body
 not received within `client_timeout_s`), 413 (body over `max_body_bytes`,
 refused from its Content-Length before reading any of it, or once a chunked
-body passes it), 500, 503 (with `Retry-After`: more than
+body passes it), 500, 501 (`/query_tiered_by_hash` while the local hash map
+is off), 503 (with `Retry-After`: more than
 `BODY_BUDGET_FACTOR * max_body_bytes` of request bodies buffered at once).
 A client that hangs up mid-request is counted in the metrics as 499.
 
@@ -71,6 +74,7 @@ from kvconductor.conductor_wire import (
 )
 from kvconductor.conductor_wire import error_body as conductor_error_body
 from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
+from kvconductor.dynamo_wire import TieredQueryByHash, tiered_answer
 from kvconductor.metrics import CONTENT_TYPE, Metrics
 from kvconductor.query import namespace_of
 from kvconductor.query_wire import (
@@ -90,7 +94,16 @@ log = structlog.get_logger(__name__)
 JSON = "application/json"
 # Routes that need the bearer token when one is configured.
 PROTECTED = frozenset(
-    {"query", "query_by_hash", "workers", "register", "unregister", "services", "global_view"}
+    {
+        "query",
+        "query_by_hash",
+        "query_tiered_by_hash",
+        "workers",
+        "register",
+        "unregister",
+        "services",
+        "global_view",
+    }
 )
 # Request bodies buffered at once, in units of max_body_bytes: bounds memory
 # under many concurrent (or slow) large uploads; past it new bytes get 503.
@@ -101,6 +114,11 @@ _CLOSING = frozenset({408, 413})
 _token_decoder = msgspec.json.Decoder(TokenQuery)
 T = TypeVar("T")
 _hash_decoder = msgspec.json.Decoder(HashQuery)
+_tiered_decoder = msgspec.json.Decoder(TieredQueryByHash)
+LOCAL_HASH_MAP_OFF = (
+    "local block hashes are not indexed here: set index.local_hash_map "
+    "(KVCONDUCTOR_INDEX_LOCAL_HASH_MAP) to serve /query_tiered_by_hash"
+)
 _encoder = msgspec.json.Encoder()
 
 
@@ -162,6 +180,7 @@ class QueryApi:
         self._token = auth_token.encode("utf-8") if auth_token else None
         self.latency_query = metrics.query_latency.labels("query")
         self.latency_hash = metrics.query_latency.labels("query_by_hash")
+        self.latency_tiered = metrics.query_latency.labels("query_tiered_by_hash")
         self._requests: dict[tuple[str, int], Any] = {}
 
     # -------------------------------------------------------- middleware
@@ -324,6 +343,22 @@ class QueryApi:
             )
         return await self._answer(request, self.hash_answer, self.latency_hash)
 
+    async def query_tiered_by_hash(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self.tiered_answer, self.latency_tiered)
+
+    def tiered_answer(self, body: bytes) -> bytes:
+        # Off is how the daemon is configured, whatever the body says.
+        if not self.conductor.local_hash_map_on:
+            raise ApiError(501, LOCAL_HASH_MAP_OFF)
+        req = _decode(_tiered_decoder, body)
+        try:
+            local = req.local_hashes()
+        except InvalidQuery as exc:
+            raise ApiError(400, f"invalid query: {exc}") from None
+        return tiered_answer(
+            *self.conductor.query_local_hashes(req.tenant(), req.model_name, local)
+        )
+
     async def _answer(
         self,
         request: web.Request,
@@ -445,6 +480,12 @@ def make_app(
     app.router.add_post("/query", api.query, name="query", expect_handler=api.expect)
     app.router.add_post(
         "/query_by_hash", api.query_by_hash, name="query_by_hash", expect_handler=api.expect
+    )
+    app.router.add_post(
+        "/query_tiered_by_hash",
+        api.query_tiered_by_hash,
+        name="query_tiered_by_hash",
+        expect_handler=api.expect,
     )
     RegistrationRoutes(
         lambda: api.registrations,

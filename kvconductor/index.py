@@ -29,7 +29,13 @@ from kvconductor.events import (
 from kvconductor.limits import IndexLimits as IndexLimits
 from kvconductor.media import DEVICE, TIER_NAMES, engine_tier, pool_medium_name, pool_tier
 from kvconductor.namespace_index import Dirty, NamespaceIndex, NamespaceKey, namespace_key
-from kvconductor.query import namespace_of, run_query, run_query_json, run_query_ranks
+from kvconductor.query import (
+    namespace_of,
+    run_local_hash_query,
+    run_query,
+    run_query_json,
+    run_query_ranks,
+)
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
 
@@ -79,6 +85,7 @@ class Index:
                 self.counters,
                 self.dirty,
                 lim.max_owners_per_namespace,
+                lim.local_hash_map,
             )
             self.namespaces[key] = ns
         ns.expire(self.now)
@@ -441,6 +448,21 @@ class Index:
     ) -> dict[str, dict[int, tuple[int, int, int]]]:
         """`query`'s match per rank (`query.run_query_ranks`)."""
         return run_query_ranks(*self._namespaces_of(req), packed)
+
+    def query_local_hashes(
+        self, tenant: str, model: str, local: list[int]
+    ) -> tuple[int, dict[str, dict[int, tuple[int, int, int]]]]:
+        """A prompt named by Dynamo's local block hashes, in the model's
+        unsalted namespaces of `tenant` (`query.run_local_hash_query`)."""
+        candidates = sorted(
+            (
+                ns
+                for key, ns in self.namespaces.items()
+                if key.tenant == tenant and key.model == model and not key.salt
+            ),
+            key=lambda ns: (ns.block_size, ns.key.lora_name or ""),
+        )
+        return run_local_hash_query(candidates, local)
 
     def _namespaces_of(
         self, req: TokenQuery | HashQuery

@@ -23,9 +23,25 @@ class IndexLimits(msgspec.Struct, frozen=True):
     # Content no tier holds any more, kept (per namespace, for the pending age)
     # so that a late confirmation or token-less store still finds it.
     max_retired_content: int = 200_000
+    # (parent identity, local block hash) -> identity entries kept per
+    # namespace for Dynamo's `/query_tiered_by_hash`, oldest first out; 0 is
+    # off (the route answers 501), so the default apply path hashes nothing more.
+    local_hash_map: int = 0
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"index limit {name} must be positive, got {value}")
+            wrong = limit_error(name, value)
+            if wrong is not None:
+                raise ValueError(f"index limit {name} {wrong}, got {value}")
+
+
+# Limits whose 0 turns their feature off rather than bounding it to nothing.
+_ZERO_IS_OFF = frozenset({"local_hash_map"})
+
+
+def limit_error(name: str, value: float) -> str | None:
+    """What is wrong with an index limit's value ("must be ..."), or None."""
+    if name in _ZERO_IS_OFF:
+        return "must be zero or positive" if value < 0 else None
+    return "must be positive" if value <= 0 else None

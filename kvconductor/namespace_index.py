@@ -41,7 +41,14 @@ from kvconductor.answer_shape import AnswerShape, new_shape
 from kvconductor.block_store import BlockStore, Placed, new_store
 from kvconductor.cache_groups import GroupState, locate, unit_extra, unit_seqs
 from kvconductor.events import Tokens
-from kvconductor.hashing import block_identity, chain_identities, lora_seed, pack_tokens
+from kvconductor.hashing import (
+    block_identity,
+    chain_identities,
+    local_hashes,
+    lora_seed,
+    pack_tokens,
+)
+from kvconductor.local_hashes import LocalHashMap
 from kvconductor.pending import (
     INTENT,
     UNRESOLVED,
@@ -159,6 +166,7 @@ class NamespaceIndex:
         counters: Counter[str],
         dirty: Dirty,
         max_owners: int = 4096,
+        local_hash_map: int = 0,
     ) -> None:
         self.key = key
         self.dirty = dirty
@@ -185,6 +193,8 @@ class NamespaceIndex:
         # Event time of the record being applied: pending halves age by it,
         # so a replay of the same records drops exactly the same halves.
         self.now = 0.0
+        # Dynamo's local block hashes -> identities (`local_hashes`); None: off.
+        self.local_map = LocalHashMap(local_hash_map) if local_hash_map else None
 
     def touch(self, now: float) -> None:
         if now > self.now:
@@ -253,7 +263,10 @@ class NamespaceIndex:
                 for k in kids:
                     ku = self.unresolved.get(k)
                     if ku is not None:
-                        stack.append((k, block_identity(ku.block, i, ku.extra)))
+                        child = block_identity(ku.block, i, ku.extra)
+                        if self.local_map is not None and ku.extra is None:
+                            self._learn_local(i, ku.block, [child])
+                        stack.append((k, child))
 
     def _unlink_child(self, parent: int, child: int) -> None:
         kids = self.children.get(parent)
@@ -457,7 +470,14 @@ class NamespaceIndex:
         token_bytes = packed[: n * bs * 4]
         root = self.seed if parent is None else self.store.ident(parent)
         if root is not None:
-            return full, chain_identities(token_bytes, n, bs, root, extra)
+            idents = chain_identities(token_bytes, n, bs, root, extra)
+            if self.local_map is not None:
+                # Blocks with extra keys never match a plain prompt, nor do
+                # their descendants: only the plain blocks before the first.
+                plain = n if extra is None else next((k for k, x in enumerate(extra[:n]) if x), n)
+                start = None if parent is None else root
+                self._learn_local(start, token_bytes, idents[:plain])
+            return full, idents
         assert parent is not None
         step = bs * 4
         prev = parent
@@ -476,6 +496,13 @@ class NamespaceIndex:
             prev = seq
         self.counters["unresolved_parent"] += 1
         return full, None
+
+    def _learn_local(self, parent: int | None, token_bytes: bytes, idents: Sequence[int]) -> None:
+        """Keep the local-hash edges of a chain from identity `parent` (None:
+        from the first block), when on."""
+        if self.local_map is not None and idents:
+            local = local_hashes(token_bytes, len(idents), self.block_size, self.seed)
+            self.local_map.learn(parent, local, idents)
 
     def store_owner(
         self,

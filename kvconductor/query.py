@@ -19,6 +19,8 @@ checks and the salted namespace's merge.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from kvconductor.block_store import Matched
@@ -66,12 +68,19 @@ def match(ns: NamespaceIndex, prompt: bytes | list[int], listed: int, salt: int 
     namespace seed xor-ed with `salt` (a per-request salt's fingerprint:
     only block 0 is hashed from the seed, so that is where an engine mixes
     it); or engine block hashes."""
-    if isinstance(prompt, bytes):
-        found = ns.store.match_tokens(prompt, ns.block_size, ns.seed ^ salt, listed)
-    else:
-        found = ns.store.match_identities(ns.identities_of(prompt), listed)
+    if not isinstance(prompt, bytes):
+        return match_identities(ns, ns.identities_of(prompt), listed)
+    found = ns.store.match_tokens(prompt, ns.block_size, ns.seed ^ salt, listed)
     if ns.hybrid and any(m[0] in ns.hybrid for m in found):
         return _hybrid(ns, prompt, found, salt)
+    return found
+
+
+def match_identities(ns: NamespaceIndex, idents: list[int], listed: int) -> Matched:
+    """`match` for a prompt given by its block identities from the first."""
+    found = ns.store.match_identities(idents, listed)
+    if ns.hybrid and any(m[0] in ns.hybrid for m in found):
+        return _hybrid(ns, idents, found, 0)
     return found
 
 
@@ -79,7 +88,9 @@ def _hybrid(ns: NamespaceIndex, prompt: bytes | list[int], found: Matched, salt:
     """The device hit of owners with several KV-cache groups: vLLM's hybrid
     rule over their groups, capped by the primary group's prefix the walk
     found. Lower tiers hold the primary group only, so they continue the
-    prefix only where the groups do not cut it."""
+    prefix only where the groups do not cut it.
+
+    `prompt`: packed tokens, or the prompt's identities."""
     bs = ns.block_size
     total = len(prompt) // (4 * bs) if isinstance(prompt, bytes) else len(prompt)
     # An owner whose primary group holds or held blocks is capped by its
@@ -95,7 +106,7 @@ def _hybrid(ns: NamespaceIndex, prompt: bytes | list[int], found: Matched, salt:
         data = prompt[: reach * bs * 4]
         prefix = Prefix(data, base, bs, chain_identities(data, reach, bs, base, None))
     else:
-        prefix = Prefix(None, base, bs, ns.identities_of(prompt[:reach]))
+        prefix = Prefix(None, base, bs, prompt[:reach])
     out: Matched = []
     for slot, gpu, cpu, disk in found:
         limit = limits.get(slot)
@@ -190,6 +201,33 @@ def run_query_ranks(
         if extra is not None:
             _ranks_into(out, *extra, hits_only=True)
     return out
+
+
+def run_local_hash_query(
+    candidates: Sequence[NamespaceIndex], local: list[int]
+) -> tuple[int, dict[str, dict[int, tuple[int, int, int]]]]:
+    """A prompt named by Dynamo's local block hashes (u64, from its first
+    block), against the namespaces it may be in (`candidates`: one model
+    and tenant, unsalted, any block size and LoRA, in a stable order): the
+    block size and `run_query_ranks`' match of the namespace where it
+    matches longest (the first such), or of the first candidate when none
+    matches; (0, {}) without candidates.
+
+    Local hashes carry the block size and LoRA seed, so in practice only
+    one namespace knows a prompt's first block."""
+    best: tuple[int, NamespaceIndex, Matched] | None = None
+    for ns in candidates:
+        if ns.local_map is None or not ns.all_bits:
+            continue
+        found = match_identities(ns, ns.local_map.identities(local), ns.all_bits)
+        longest = max((disk for _, _, _, disk in found), default=0)
+        if best is None or longest > best[0]:
+            best = (longest, ns, found)
+    out: dict[str, dict[int, tuple[int, int, int]]] = {}
+    if best is None:
+        return (candidates[0].block_size if candidates else 0), out
+    _ranks_into(out, best[1], best[2], hits_only=False)
+    return best[1].block_size, out
 
 
 def _ranks_into(

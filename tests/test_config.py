@@ -112,6 +112,7 @@ auth_token = "tok"
 
 [index]
 max_pending_age_s = 60   # an int is fine for a float
+local_hash_map = 1000
 
 [snapshot]
 enabled = false
@@ -131,6 +132,7 @@ format = "json"
     assert reveal(cfg.http.auth_token) == "tok"
     assert cfg.index.max_pending_age_s == 60.0
     assert isinstance(cfg.index.max_pending_age_s, float)
+    assert cfg.index.local_hash_map == 1000
     assert cfg.snapshot.enabled is False
     assert (cfg.log.level, cfg.log.format) == ("debug", "json")
     # untouched keys keep their defaults
@@ -293,6 +295,7 @@ def test_every_key_is_settable_from_env(tmp_path: Path) -> None:
         ("[http]\nauth_token = ' '\n", "[http] auth_token: must not be blank"),
         ("[index]\nmax_pending = 0\n", "[index] max_pending: must be positive, got 0"),
         ("[index]\nmax_pending_age_s = -1.0\n", "[index] max_pending_age_s: must be positive"),
+        ("[index]\nlocal_hash_map = -1\n", "[index] local_hash_map: must be zero or positive"),
         ("[index]\nmax_namespace = 1\n", "[index] max_namespace: unknown key (did you mean"),
         ("[snapshot]\ninterval_s = 0\n", "[snapshot] interval_s: must be positive"),
     ],
