@@ -509,7 +509,7 @@ async def _half_generation_setup(bootstrap: str) -> tuple[str, AIOKafkaConsumer,
         async with producer.transaction():
             for i in range(units):
                 name = "a" if i == 0 else f"x{i}"
-                unit = InstanceUnit(name, {0: n}, [], [], 0.0)
+                unit = InstanceUnit(name, {0: n}, [], 0.0)
                 await producer.send(topic, key=chunk_key(("i", name), 0), value=_value(unit, n))
             g = GenerationUnit(n, [("events", 0, 10 * n)], 0.0, 0.0)
             await producer.send(topic, key=chunk_key(("g", "events", 0), 0), value=_value(g, n))
