@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.client import ConnectionGroup
+from aiokafka.errors import KafkaConnectionError, KafkaError
+
+# How long an admin request waits for a broker to accept a connection
+# before trying the next one.
+CONNECT_TRY_S = 2.0
 
 
 class Client(Protocol):
@@ -34,3 +43,31 @@ async def retire(client: Client, grace_s: float) -> None:
     gave up on may not stop cleanly."""
     with contextlib.suppress(Exception):
         await asyncio.wait_for(client.stop(), grace_s)
+
+
+class LiveAdminClient(AIOKafkaAdminClient):  # type: ignore[misc]
+    """An admin client whose requests go to a broker that answers.
+
+    aiokafka sends each admin request to a random broker of the metadata,
+    dead or alive, and waits out the request timeout on a dead one; this one
+    prefers a broker it is connected to, else the first that accepts a
+    connection within `CONNECT_TRY_S`."""
+
+    async def _send_request(self, request: Any, node_id: int | None = None) -> Any:
+        if node_id is None:
+            node_id = await self._live_node()
+        return await self._client.send(node_id, request)
+
+    async def _live_node(self) -> int:
+        client = self._client
+        nodes = [b.nodeId for b in client.cluster.brokers()]
+        random.shuffle(nodes)
+        for node in nodes:
+            conn = client._conns.get((node, ConnectionGroup.DEFAULT))
+            if conn is not None and conn.connected():
+                return int(node)
+        for node in nodes:
+            with contextlib.suppress(KafkaError, OSError, TimeoutError):
+                if await asyncio.wait_for(client.ready(node), CONNECT_TRY_S):
+                    return int(node)
+        raise KafkaConnectionError("no broker of the cluster accepts a connection")

@@ -49,7 +49,7 @@ from aiokafka.errors import KafkaError
 from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
 from consumers.positions import resume_positions
-from kvconductor.config import Config, kafka_client_options, reveal
+from kvconductor.config import Config, kafka_service_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.http_front import QuerySite
@@ -245,7 +245,7 @@ class Replica:
             "enable_auto_commit": False,
             "auto_offset_reset": "earliest",
             "isolation_level": "read_committed",
-            **kafka_client_options(k),
+            **kafka_service_options(k),
         }
 
     async def start(self) -> None:
