@@ -54,7 +54,7 @@ class PartitionHealth(NamedTuple):
         return self.fetch_age_s > bound_s or self.behind_s > bound_s
 
 
-def stale_reason(stale: Iterable[PartitionHealth]) -> str:
+def _stale_reason(stale: Iterable[PartitionHealth]) -> str:
     """/ready's reason for partitions the index is stale on."""
     parts = []
     for p in stale:
@@ -397,6 +397,12 @@ class EventConsumer:
                 )
             )
         return sorted(out)
+
+    def staleness(self, bound_s: float) -> str | None:
+        """/ready's reason when the index is stale on a partition past
+        `bound_s`, else None."""
+        stale = [p for p in self.partitions() if p.stale(bound_s)]
+        return _stale_reason(stale) if stale else None
 
     def partition_rows(self, bound_s: float) -> list[PartitionRow]:
         """`partitions`, for the metrics, each marked stale past `bound_s`."""

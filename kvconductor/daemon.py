@@ -38,7 +38,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from consumers.dead_letters import DeadLetterWriter
-from consumers.event_consumer import EventConsumer, stale_reason
+from consumers.event_consumer import EventConsumer
 from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
 from consumers.routing import group_key, group_partition
@@ -147,9 +147,9 @@ class Daemon:
             return False, f"kafka unavailable: no answer for {silent:.0f} s"
         if not events.caught_up:
             return False, "catching up"
-        stale = [p for p in events.partitions() if p.stale(bound)]
-        if stale:
-            return False, stale_reason(stale)
+        stale = events.staleness(bound)
+        if stale is not None:
+            return False, stale
         return True, "ready"
 
     # ------------------------------------------------------------- phases

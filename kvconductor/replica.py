@@ -214,6 +214,10 @@ class Replica:
             return False, "kafka unavailable"
         if not self.caught_up:
             return False, "catching up"
+        events = self._events
+        stale = events.staleness(self.cfg.kafka.stale_after_s) if events is not None else None
+        if stale is not None:
+            return False, stale
         return True, "ready"
 
     async def wait_caught_up(self, timeout: float | None = None) -> None:
@@ -366,6 +370,8 @@ class Replica:
         # Where each partition's next record is expected (as the daemon's
         # assignment hook sets it): anything below is never applied.
         self._events.applied_offsets.update(offsets)
+        events = self._events
+        self.metrics.partitions.source = lambda: events.partition_rows(k.stale_after_s)
         self._task = asyncio.create_task(self._follow_events(self._events))
 
     async def _follow_events(self, events: EventConsumer) -> None:
