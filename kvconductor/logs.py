@@ -103,8 +103,7 @@ class RateLimitedLog:
 # restarting, a leader or coordinator moving): what they mean is said once a
 # while as a warning, counted every time.
 _CONNECTION_NOISE = (
-    "Unable connect to node",
-    "Unable to connect",
+    "Unable connect to",  # a node, or a bootstrap server
     "Failed fetch messages",
     "Unable to request metadata",
     "Unable to update metadata",
@@ -121,7 +120,7 @@ _EXPECTED = (
     "NotCoordinator",
     "CoordinatorLoadInProgress",
     "coordinator dead",
-    "Marking the coordinator dead",
+    "Heartbeat session expired",
     "LeaderNotAvailable",
     "NotLeaderForPartition",
     "UnknownTopicOrPartition",

@@ -18,7 +18,8 @@ fault kind, how long the daemon took to be ready again after the fault.
 
 Slow (a few minutes): run only with KVCONDUCTOR_TEST_CLUSTER=1 (.ci/run does);
 KVCONDUCTOR_TEST_CLUSTER_DIR names the folder of a running local cluster to use
-instead of starting one.
+instead of starting one; KVCONDUCTOR_TEST_CLUSTER_ROUNDS=N injects each fault
+N times a run.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ pytestmark = [
 ]
 
 NODES = (1, 2, 3)
+# Each fault kind this many times a run (more for measurements).
+ROUNDS = int(os.environ.get("KVCONDUCTOR_TEST_CLUSTER_ROUNDS", "1"))
 STALE_AFTER_S = 3.0
 READY_WITHIN_S = 120.0
 
@@ -329,11 +332,12 @@ async def inject_all(
     rng: random.Random,
     during: Callable[[], Awaitable[None]] | None = None,
 ) -> Figures:
-    """Each fault once, in random order, at a random point of its slice of
-    the stream; `during` runs (a daemon SIGKILL) while the node is down."""
+    """Each fault ROUNDS times, in random order, at a random point of its
+    slice of the stream; `during` runs (a daemon SIGKILL) while the node is
+    down."""
     figures = Figures()
     feeder = run.feeder
-    order = rng.sample(FAULTS, len(FAULTS))
+    order = [f for _ in range(ROUNDS) for f in rng.sample(FAULTS, len(FAULTS))]
     for i, (kind, fault) in enumerate(order):
         feeder.allow(len(feeder.items) * (i + 1) // (len(order) + 1))
         await asyncio.sleep(rng.uniform(0.3, 1.5))  # records in flight
@@ -349,7 +353,7 @@ async def inject_all(
             f"ready after {kind}",
         )
         figures.ready_after.setdefault(kind, []).append(round(watch.ready_again(since), 1))
-        figures.stale_seen[kind] = watch.stale_reasons(since)
+        figures.stale_seen.setdefault(kind, []).extend(watch.stale_reasons(since))
     feeder.allow(len(feeder.items))
     await wait_for(lambda: feeder.done, 180, "the whole stream acknowledged")
     return figures

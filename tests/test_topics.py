@@ -3,7 +3,6 @@ cluster, min.insync.replicas, the check of existing topics."""
 
 from __future__ import annotations
 
-import logging
 import uuid
 
 import pytest
@@ -98,29 +97,3 @@ async def test_an_existing_topic_below_the_replication_warns_or_stops(
         await ensure_topics_on(
             kafka_bootstrap, "topics-test", {}, wants_two, Replication(2, "error")
         )
-
-
-def test_aiokafka_errors_go_to_the_structured_log_rate_limited() -> None:
-    from kvconductor.logs import KafkaLogHandler
-
-    handler = KafkaLogHandler(interval_s=60.0)
-    logger = logging.getLogger("aiokafka.test-logs")
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
-        with structlog.testing.capture_logs() as logs:
-            for node in range(50):
-                logger.error("Unable connect to node with id %s: %s", node, "refused")
-            logger.error(
-                "Group Coordinator Request failed: %s", "GroupCoordinatorNotAvailableError"
-            )
-            logger.error("something else went wrong")
-    finally:
-        logger.removeHandler(handler)
-    levels = [(e["log_level"], e["event"]) for e in logs]
-    assert levels == [
-        ("warning", "Unable connect to node with id 0: refused"),
-        ("info", "Group Coordinator Request failed: GroupCoordinatorNotAvailableError"),
-        ("error", "something else went wrong"),
-    ]
-    assert handler.counts == {"warning": 50, "error": 1}
