@@ -48,10 +48,25 @@ async def retire(client: Client, grace_s: float) -> None:
 class LiveAdminClient(AIOKafkaAdminClient):  # type: ignore[misc]
     """An admin client whose requests go to a broker that answers.
 
-    aiokafka sends each admin request to a random broker of the metadata,
-    dead or alive, and waits out the request timeout on a dead one; this one
-    prefers a broker it is connected to, else the first that accepts a
+    aiokafka bootstraps from the bootstrap servers in random order and sends
+    each admin request to a random broker of the metadata, and on a broker
+    that accepts connections but answers nothing (frozen, overloaded) waits
+    out the whole request timeout. This one bootstraps giving each server
+    `CONNECT_TRY_S` (then, if none answered that fast, the request timeout),
+    and sends to a broker it is connected to, else the first that accepts a
     connection within `CONNECT_TRY_S`."""
+
+    async def start(self) -> None:
+        client = self._client
+        full = client._request_timeout_ms
+        client._request_timeout_ms = min(full, int(CONNECT_TRY_S * 1000))
+        try:
+            await super().start()
+        except KafkaConnectionError:
+            client._request_timeout_ms = full
+            await super().start()
+        finally:
+            client._request_timeout_ms = full
 
     async def _send_request(self, request: Any, node_id: int | None = None) -> Any:
         if node_id is None:

@@ -40,8 +40,10 @@ import msgspec
 import pytest
 from aiokafka.client import CoordinationType
 
+from consumers.topics import ensure_topics_on
 from kvconductor import kafka_local
 from kvconductor.config import load_config
+from kvconductor.daemon import topic_specs
 from kvconductor.kafka_clients import LiveAdminClient
 from kvconductor.snapshots import state_fingerprint
 from tests.harness import daemon_config, http_json, running, wait_for
@@ -76,6 +78,10 @@ NODES = (1, 2, 3)
 # Each fault kind this many times a run (more for measurements).
 ROUNDS = int(os.environ.get("KVCONDUCTOR_TEST_CLUSTER_ROUNDS", "1"))
 STALE_AFTER_S = 3.0
+# The undisturbed run (`oracle_from_kafka`) never expires pending halves; the
+# daemon drops those older than this (in record time), and several rounds of
+# faults outlast the default 300 s.
+MAX_PENDING_AGE_S = "86400"
 READY_WITHIN_S = 120.0
 
 
@@ -391,12 +397,31 @@ async def test_local_cluster_status_covers_every_node(cluster: Cluster) -> None:
     assert {len(p["replicas"]) for t in topics for p in t["partitions"]} == {3}
 
 
+async def test_topics_are_checked_past_a_frozen_node(cluster: Cluster) -> None:
+    """Creating and checking topics asks a broker that answers: a frozen one
+    (it accepts connections, answers nothing) costs seconds, not the request
+    timeout per request."""
+    run = await new_run(cluster.bootstrap)
+    frozen = NODES[-1]  # not the first bootstrap server: bootstrapping is aiokafka's
+    cluster.signal(frozen, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        specs = topic_specs(run.cfg)
+        assert await ensure_topics_on(cluster.bootstrap, "faults-check", {}, specs) == []
+        took = time.monotonic() - started
+    finally:
+        cluster.signal(frozen, signal.SIGCONT)
+    await cluster.healthy()
+    assert took < 15.0, f"{took:.1f} s with a node frozen (the request timeout is 40 s)"
+
+
 async def test_broker_faults_on_a_cluster(cluster: Cluster) -> None:
     rng = random.Random(SEED)
     cfg = daemon_config(
         cluster.bootstrap,
         KVCONDUCTOR_SNAPSHOT_INTERVAL_S="0.1",
         KVCONDUCTOR_KAFKA_STALE_AFTER_S=str(STALE_AFTER_S),
+        KVCONDUCTOR_INDEX_MAX_PENDING_AGE_S=MAX_PENDING_AGE_S,
     )
     run = await new_run(cluster.bootstrap, cfg)
     async with feeding(run), running(run.cfg) as daemon:
@@ -417,6 +442,7 @@ async def test_broker_and_daemon_faults_on_a_cluster(
     config = tmp_path / "kvconductor.toml"
     write_config(config, cluster.bootstrap, port)
     monkeypatch.setenv("KVCONDUCTOR_KAFKA_STALE_AFTER_S", str(STALE_AFTER_S))
+    monkeypatch.setenv("KVCONDUCTOR_INDEX_MAX_PENDING_AGE_S", MAX_PENDING_AGE_S)
     run = await new_run(cluster.bootstrap, load_config(config))
     k = run.cfg.kafka
     lives = Lives(config, tmp_path)
