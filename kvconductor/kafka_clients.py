@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import ConnectionGroup
 from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.protocol.metadata import MetadataRequest
 
 # How long an admin request waits for a broker to accept a connection
 # before trying the next one.
@@ -53,8 +54,11 @@ class LiveAdminClient(AIOKafkaAdminClient):  # type: ignore[misc]
     that accepts connections but answers nothing (frozen, overloaded) waits
     out the whole request timeout. This one bootstraps giving each server
     `CONNECT_TRY_S` (then, if none answered that fast, the request timeout),
-    and sends to a broker it is connected to, else the first that accepts a
-    connection within `CONNECT_TRY_S`."""
+    and sends to the broker that answered it last while connected, else the
+    first that answers a metadata request within `CONNECT_TRY_S`."""
+
+    # The broker that last answered.
+    _live: int | None = None
 
     async def start(self) -> None:
         client = self._client
@@ -75,14 +79,18 @@ class LiveAdminClient(AIOKafkaAdminClient):  # type: ignore[misc]
 
     async def _live_node(self) -> int:
         client = self._client
-        nodes = [b.nodeId for b in client.cluster.brokers()]
+        live = self._live
+        if live is not None:
+            conn = client._conns.get((live, ConnectionGroup.DEFAULT))
+            if conn is not None and conn.connected():
+                return live
+        nodes = [int(b.nodeId) for b in client.cluster.brokers()]
         random.shuffle(nodes)
         for node in nodes:
-            conn = client._conns.get((node, ConnectionGroup.DEFAULT))
-            if conn is not None and conn.connected():
-                return int(node)
-        for node in nodes:
+            # A frozen broker's kernel still accepts connections: only an
+            # answer tells.
             with contextlib.suppress(KafkaError, OSError, TimeoutError):
-                if await asyncio.wait_for(client.ready(node), CONNECT_TRY_S):
-                    return int(node)
-        raise KafkaConnectionError("no broker of the cluster accepts a connection")
+                await asyncio.wait_for(client.send(node, MetadataRequest([])), CONNECT_TRY_S)
+                self._live = node
+                return node
+        raise KafkaConnectionError("no broker of the cluster answers")
