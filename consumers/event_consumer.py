@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -27,7 +28,8 @@ from consumers.positions import resume_positions
 from consumers.repartitioner import KIND, ORIGIN_KEY
 from kvconductor.core import Conductor
 from kvconductor.errors import BadRecord, DecodeError
-from kvconductor.metrics import Metrics
+from kvconductor.logs import RateLimitedLog
+from kvconductor.metrics import Metrics, PartitionRow
 from kvconductor.records_first import RecordsFirst
 
 log = structlog.get_logger("kvconductor.consumer")
@@ -35,28 +37,38 @@ log = structlog.get_logger("kvconductor.consumer")
 # Applying time between two chances for queries to run.
 YIELD_AFTER_S = 0.002
 
+
+class PartitionHealth(NamedTuple):
+    """How stale one assigned partition leaves the index."""
+
+    topic: str
+    partition: int
+    lag: int  # records between what the index applied and the partition's end, as last heard
+    fetch_age_s: float  # since the partition's leader last answered a fetch
+    behind_s: float  # since records known to be waiting have waited (0: caught up)
+
+    @property
+    def name(self) -> str:
+        return f"{self.topic}/{self.partition}"
+
+    def stale(self, bound_s: float) -> bool:
+        return self.fetch_age_s > bound_s or self.behind_s > bound_s
+
+
+def _stale_reason(stale: Iterable[PartitionHealth]) -> str:
+    """/ready's reason for partitions the index is stale on."""
+    parts = []
+    for p in stale:
+        if p.fetch_age_s >= p.behind_s:
+            parts.append(f"{p.name} (no fetch answer for {p.fetch_age_s:.0f} s)")
+        else:
+            parts.append(f"{p.name} ({p.lag} records waiting for {p.behind_s:.0f} s)")
+    return f"index stale on {len(parts)} partition(s): {', '.join(parts)}"
+
+
 RevokeHook = Callable[[set[TopicPartition]], Awaitable[None]]
 # Positions every assigned partition and returns the offset it seeked each to.
 AssignHook = Callable[[set[TopicPartition]], Awaitable[dict[TopicPartition, int]]]
-
-
-class RateLimitedLog:
-    """Logs a kind of problem at most once per interval, with the count skipped."""
-
-    def __init__(self, interval_s: float = 60.0) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warn(self, kind: str, event: str, level: str = "warning", **fields: Any) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.interval_s:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        suppressed = self._suppressed.pop(kind, 0)
-        getattr(log, level)(event, kind=kind, suppressed_since_last=suppressed, **fields)
 
 
 def in_produce_order(
@@ -123,7 +135,7 @@ class EventConsumer:
         self.on_revoke: RevokeHook | None = None
         self.on_assign: AssignHook | None = None
         self.caught_up = False
-        self.problems = RateLimitedLog()
+        self.problems = RateLimitedLog("kvconductor.consumer")
         # aiokafka runs rebalance callbacks in its coordinator task, so they
         # can fire while a fetched batch is half applied. Applying a batch,
         # the rebalance hooks and checkpoints all hold this lock, and a batch
@@ -133,8 +145,12 @@ class EventConsumer:
         self.records_first = RecordsFirst()
         self.epoch = 0
         # Wall-clock time Kafka was last heard from, besides fetch responses
-        # (see `silent_for`).
+        # (see `silent_for`), overall and per partition.
         self._heard = time.time()
+        self._heard_from: dict[TopicPartition, float] = {}
+        # Per partition behind its end: the end offset it has to reach, and
+        # since when it is known to be there (a lower bound of the wait).
+        self._behind: dict[TopicPartition, tuple[int, float]] = {}
 
     def subscribe(self) -> None:
         topics = (
@@ -152,6 +168,8 @@ class EventConsumer:
                 await self.on_revoke(revoked)
             for tp in revoked:
                 self.applied_offsets.pop(tp, None)
+                self._heard_from.pop(tp, None)
+                self._behind.pop(tp, None)
                 self.metrics.forget_partition(tp.topic, tp.partition)
 
     async def _assigned(self, assigned: set[TopicPartition]) -> None:
@@ -162,7 +180,10 @@ class EventConsumer:
                 # The seek targets, not position(): a getmany running in the
                 # other task may already have handed out records past them.
                 self.applied_offsets.update(await self.on_assign(assigned))
-            self._heard = time.time()
+            self._heard = now = time.time()
+            for tp in assigned:
+                self._heard_from[tp] = now
+                self._behind.pop(tp, None)
         log.info(
             "partitions assigned", partitions=sorted(f"{t.topic}/{t.partition}" for t in assigned)
         )
@@ -182,7 +203,9 @@ class EventConsumer:
             # is given, so the next fetch reads from there.
             return 0
         if batch:
-            self._heard = time.time()
+            self._heard = now = time.time()
+            for tp in batch:
+                self._heard_from[tp] = now
             self.records_first.applying()
         try:
             handled = await self._apply_batch(batch, epoch)
@@ -286,12 +309,12 @@ class EventConsumer:
             attached = headers.get("kv-control-kind") == "attached"
             # Once a minute per instance at most: a flapping bridge resyncs
             # on every restart (counted in index_events_total{kind="resyncs"}).
-            self.problems.warn(
+            self.problems.log(
+                logging.INFO if attached else logging.WARNING,
                 f"resync:{instance}",
                 "instance resynchronised: the bridge attached to its stream, earlier state unknown"
                 if attached
                 else "instance resynchronised: its stream lost messages, stale blocks cleared",
-                level="info" if attached else "warning",
                 instance=instance,
                 reason=headers.get("kv-control-reason", ""),
                 headers=headers,
@@ -322,26 +345,80 @@ class EventConsumer:
         await self.dead_letters.send(record, kind, reason)
 
     def silent_for(self) -> float:
-        """Seconds since Kafka last answered this consumer.
+        """Seconds since Kafka last answered this consumer, for any partition
+        (see `_fetch_age`)."""
+        now = time.time()
+        ages = [self._fetch_age(tp, now) for tp in self.consumer.assignment()]
+        return min(ages, default=max(0.0, now - self._heard))
+
+    def _fetch_age(self, tp: TopicPartition, now: float) -> float:
+        """Seconds since the partition's leader last answered.
 
         A healthy broker answers every fetch within `fetch_max_wait_ms`, with
         records or without, and each answer stamps its partitions. The
         fetcher skips partitions whose fetched records are still unread, so a
         batch handed out counts as an answer too, and so does an assignment
         (the first fetch has not come back yet)."""
-        heard = self._heard
-        for tp in self.consumer.assignment():
-            stamp = self.consumer.last_poll_timestamp(tp)
-            if stamp is not None:
-                heard = max(heard, stamp / 1000.0)
-        return max(0.0, time.time() - heard)
+        heard = self._heard_from.get(tp, self._heard)
+        stamp = self.consumer.last_poll_timestamp(tp)
+        if stamp is not None:
+            heard = max(heard, stamp / 1000.0)
+        return max(0.0, now - heard)
 
     def _measure_lag(self) -> None:
+        now = time.time()
         for tp in self.consumer.assignment():
-            high = self.consumer.highwater(tp)
-            pos = self.applied_offsets.get(tp)
-            if high is not None and pos is not None:
-                self.metrics.set_lag(tp.topic, tp.partition, high - pos)
+            lag = self._track(tp, now)
+            if lag is not None:
+                self.metrics.set_lag(tp.topic, tp.partition, lag)
+
+    def _track(self, tp: TopicPartition, now: float) -> int | None:
+        """The partition's lag (None: not known yet), noting since when
+        records known to be waiting on it have waited."""
+        high = self.consumer.highwater(tp)
+        pos = self.applied_offsets.get(tp)
+        if high is None or pos is None:
+            return None
+        target = self._behind.get(tp)
+        if high <= pos:
+            self._behind.pop(tp, None)
+        elif target is None or pos >= target[0]:
+            self._behind[tp] = (high, now)
+        lag: int = high - pos
+        return lag
+
+    def partitions(self) -> list[PartitionHealth]:
+        """Every assigned partition's lag, fetch age and wait, by name. Also
+        while a batch is being applied, or stuck: the fetcher goes on
+        learning the partitions' ends meanwhile."""
+        now = time.time()
+        out = []
+        for tp in self.consumer.assignment():
+            lag = self._track(tp, now)
+            behind = self._behind.get(tp)
+            out.append(
+                PartitionHealth(
+                    tp.topic,
+                    tp.partition,
+                    max(0, lag or 0),
+                    self._fetch_age(tp, now),
+                    0.0 if behind is None else max(0.0, now - behind[1]),
+                )
+            )
+        return sorted(out)
+
+    def staleness(self, bound_s: float) -> str | None:
+        """/ready's reason when the index is stale on a partition past
+        `bound_s`, else None."""
+        stale = [p for p in self.partitions() if p.stale(bound_s)]
+        return _stale_reason(stale) if stale else None
+
+    def partition_rows(self, bound_s: float) -> list[PartitionRow]:
+        """`partitions`, for the metrics, each marked stale past `bound_s`."""
+        return [
+            PartitionRow(p.topic, p.partition, p.fetch_age_s, p.behind_s, p.stale(bound_s))
+            for p in self.partitions()
+        ]
 
     async def _is_caught_up(self) -> bool:
         assigned = self.consumer.assignment()

@@ -3,40 +3,95 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
+import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
+
+from kvconductor.config import KafkaConfig
+from kvconductor.kafka_clients import LiveAdminClient
+
+log = structlog.get_logger("kvconductor.topics")
+
+MIN_ISR = "min.insync.replicas"
+# A replicated cluster's usual factor: one broker down leaves two copies.
+DEFAULT_MAX_REPLICATION = 3
+
+# What a compacted topic (snapshots, the bridge's registrations) is created
+# with: dirty segments cleaned soon, so a restore reads little beyond the
+# latest value of each key.
+COMPACTED = {
+    "cleanup.policy": "compact",
+    "min.cleanable.dirty.ratio": "0.1",
+    "segment.ms": str(10 * 60 * 1000),
+}
 
 
 class TopicSpec(NamedTuple):
     name: str
     partitions: int
-    replication_factor: int
+    # None: min(3, brokers in the cluster).
+    replication_factor: int | None
     configs: Mapping[str, str]
     # Settings an existing topic must have (checked, never changed).
     required: Mapping[str, str]
+
+
+def compacted_spec(name: str, partitions: int, replication_factor: int | None) -> TopicSpec:
+    return TopicSpec(name, partitions, replication_factor, COMPACTED, {"cleanup.policy": "compact"})
+
+
+class Replication(NamedTuple):
+    """How the topics kvconductor creates are replicated, and what an
+    existing topic below that gets: a warning line or a `TopicError`."""
+
+    min_insync_replicas: int | None = None  # None: replication factor - 1, at least 1
+    check: Literal["warn", "error"] = "warn"
+
+    @classmethod
+    def of(cls, kafka: KafkaConfig) -> Replication:
+        return cls(kafka.min_insync_replicas, kafka.topic_check)
+
+
+DEFAULT_REPLICATION = Replication()
 
 
 class TopicError(RuntimeError):
     pass
 
 
-async def ensure_topics(admin: AIOKafkaAdminClient, specs: Sequence[TopicSpec]) -> list[str]:
-    """Create missing topics with their configs; check the existing ones.
+def replication_for(spec: TopicSpec, brokers: int, replication: Replication) -> tuple[int, int]:
+    """(replication factor, min in-sync replicas) the spec asks for on a
+    cluster of `brokers`."""
+    factor = spec.replication_factor or max(1, min(DEFAULT_MAX_REPLICATION, brokers))
+    min_isr = replication.min_insync_replicas or max(1, factor - 1)
+    return factor, min(min_isr, factor)
+
+
+async def ensure_topics(
+    admin: AIOKafkaAdminClient,
+    specs: Sequence[TopicSpec],
+    replication: Replication = DEFAULT_REPLICATION,
+) -> list[str]:
+    """Create missing topics with their configs and replication; check the
+    existing ones.
 
     Returns the names created. Raises TopicError when an existing topic lacks
     a required setting (a snapshot topic that is not compacted would lose the
-    index to retention)."""
+    index to retention), or, with `replication.check` "error", has fewer
+    replicas or a lower `min.insync.replicas` than asked for (else a warning)."""
+    brokers = len((await admin.describe_cluster()).get("brokers") or [])
     existing = set(await admin.list_topics())
     missing = [s for s in specs if s.name not in existing]
     created: list[str] = []
     if missing:
-        new = [
-            NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=dict(s.configs))
-            for s in missing
-        ]
+        new = []
+        for s in missing:
+            factor, min_isr = replication_for(s, brokers, replication)
+            configs = {MIN_ISR: str(min_isr), **s.configs}
+            new.append(NewTopic(s.name, s.partitions, factor, topic_configs=configs))
         try:
             response = await admin.create_topics(new)
         except TopicAlreadyExistsError:  # another daemon created them first
@@ -46,9 +101,21 @@ async def ensure_topics(admin: AIOKafkaAdminClient, specs: Sequence[TopicSpec]) 
             if code not in (0, 36):
                 raise TopicError(f"cannot create topic {name}: error {code} {message or ''}")
         created = [s.name for s in missing]
-    to_check = [s for s in specs if s.required and s.name in existing]
-    if to_check:
-        await _check_configs(admin, to_check)
+    present = [s for s in specs if s.name in existing]
+    if present:
+        actual = await _configs(admin, present)
+        for spec in present:
+            _check_required(spec, actual.get(spec.name, {}))
+        replicas = await _replica_counts(admin, [s.name for s in present])
+        for spec in present:
+            problem = _replication_problem(
+                spec, brokers, replication, replicas.get(spec.name), actual.get(spec.name, {})
+            )
+            if problem is None:
+                continue
+            if replication.check == "error":
+                raise TopicError(problem)
+            log.warning("topic under-replicated", topic=spec.name, problem=problem)
     return created
 
 
@@ -63,23 +130,62 @@ def _topic_errors(response: Any) -> list[tuple[str, int, str | None]]:
     return out
 
 
-async def _check_configs(admin: AIOKafkaAdminClient, specs: Sequence[TopicSpec]) -> None:
+async def _configs(
+    admin: AIOKafkaAdminClient, specs: Sequence[TopicSpec]
+) -> dict[str, dict[str, str]]:
     resources = [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
     responses = await admin.describe_configs(resources)
     actual: dict[str, dict[str, str]] = {}
     for response in responses:
         for resource in response.resources:
-            name = resource[3]
-            actual[name] = {entry[0]: entry[1] for entry in resource[4]}
-    for spec in specs:
-        have = actual.get(spec.name, {})
-        for key, want in spec.required.items():
-            if have.get(key) != want:
-                raise TopicError(
-                    f"topic {spec.name} has {key}={have.get(key)!r}, needs {want!r}; "
-                    f"fix it with kafka-configs.sh --alter --entity-type topics "
-                    f"--entity-name {spec.name} --add-config {key}={want}"
-                )
+            actual[resource[3]] = {entry[0]: entry[1] for entry in resource[4]}
+    return actual
+
+
+def _check_required(spec: TopicSpec, have: Mapping[str, str]) -> None:
+    for key, want in spec.required.items():
+        if have.get(key) != want:
+            raise TopicError(
+                f"topic {spec.name} has {key}={have.get(key)!r}, needs {want!r}; "
+                f"fix it with kafka-configs.sh --alter --entity-type topics "
+                f"--entity-name {spec.name} --add-config {key}={want}"
+            )
+
+
+async def _replica_counts(admin: AIOKafkaAdminClient, names: Sequence[str]) -> dict[str, int]:
+    """Per topic, the fewest replicas any of its partitions has."""
+    out: dict[str, int] = {}
+    for topic in await admin.describe_topics(list(names)):
+        counts = [len(p["replicas"]) for p in topic.get("partitions") or []]
+        if counts:
+            out[topic["topic"]] = min(counts)
+    return out
+
+
+def _replication_problem(
+    spec: TopicSpec,
+    brokers: int,
+    replication: Replication,
+    replicas: int | None,
+    configs: Mapping[str, str],
+) -> str | None:
+    factor, min_isr = replication_for(spec, brokers, replication)
+    problems = []
+    if replicas is not None and replicas < factor:
+        problems.append(
+            f"topic {spec.name} has {replicas} replica(s) per partition, wants {factor} "
+            f"(kafka.replication_factor, unset: min(3, brokers)); losing a broker can take "
+            f"it offline: reassign it with kafka-reassign-partitions.sh"
+        )
+    have = configs.get(MIN_ISR)
+    if have is not None and have.isdigit() and int(have) < min_isr:
+        problems.append(
+            f"topic {spec.name} has {MIN_ISR}={have}, wants {min_isr} "
+            f"(kafka.min_insync_replicas, unset: replication factor - 1); fix it with "
+            f"kafka-configs.sh --alter --entity-type topics --entity-name {spec.name} "
+            f"--add-config {MIN_ISR}={min_isr}"
+        )
+    return "; ".join(problems) or None
 
 
 async def ensure_topics_on(
@@ -87,11 +193,12 @@ async def ensure_topics_on(
     client_id: str,
     options: Mapping[str, object],
     specs: Sequence[TopicSpec],
+    replication: Replication = DEFAULT_REPLICATION,
 ) -> list[str]:
     """`ensure_topics` through an admin client of its own, closed afterwards."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id=client_id, **options)
+    admin = LiveAdminClient(bootstrap_servers=bootstrap_servers, client_id=client_id, **options)
     await admin.start()
     try:
-        return await ensure_topics(admin, specs)
+        return await ensure_topics(admin, specs, replication)
     finally:
         await admin.close()

@@ -44,6 +44,7 @@ SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "console"]
+TopicCheck = Literal["warn", "error"]
 
 
 class ConfigError(ValueError):
@@ -98,7 +99,21 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str = "kvconductor"
     client_id: str = "kvconductor"
     partitions: int = 6  # for topics the daemon creates
-    replication_factor: int = 1
+    # Unset: min(3, brokers in the cluster), and RF - 1 (at least 1) in sync.
+    replication_factor: int | None = None
+    min_insync_replicas: int | None = None
+    # An existing topic below them: a warning line, or a stop.
+    topic_check: TopicCheck = "warn"
+    # Static group membership: a restart takes its partitions back at once
+    # instead of waiting out the old member's session. Unset: client_id.
+    static_membership: bool = True
+    group_instance_id: str | None = None
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    request_timeout_ms: int = 40_000
+    metadata_max_age_ms: int = 300_000
+    # A partition whose index is this far behind makes /ready 503.
+    stale_after_s: float = 10.0
     security_protocol: SecurityProtocol = "PLAINTEXT"
     sasl_mechanism: SaslMechanism = "PLAIN"
     sasl_username: str | None = None
@@ -514,9 +529,39 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
     for key in ("group_id", "client_id"):
         if not getattr(k, key).strip():
             raise fail("kafka", key, "must not be empty")
-    for key in ("partitions", "replication_factor", "fetch_max_records"):
-        if getattr(k, key) < 1:
-            raise fail("kafka", key, f"must be at least 1, got {getattr(k, key)}")
+    for key in (
+        "partitions",
+        "replication_factor",
+        "min_insync_replicas",
+        "fetch_max_records",
+        "session_timeout_ms",
+        "heartbeat_interval_ms",
+        "request_timeout_ms",
+        "metadata_max_age_ms",
+    ):
+        value = getattr(k, key)
+        if value is not None and value < 1:
+            raise fail("kafka", key, f"must be at least 1, got {value}")
+    if k.replication_factor is not None and (k.min_insync_replicas or 1) > k.replication_factor:
+        raise fail(
+            "kafka",
+            "min_insync_replicas",
+            f"must not exceed replication_factor {k.replication_factor}, "
+            f"got {k.min_insync_replicas}",
+        )
+    if k.heartbeat_interval_ms >= k.session_timeout_ms:
+        raise fail(
+            "kafka",
+            "heartbeat_interval_ms",
+            f"must be below session_timeout_ms {k.session_timeout_ms}, "
+            f"got {k.heartbeat_interval_ms}",
+        )
+    if k.group_instance_id is not None and not k.group_instance_id.strip():
+        raise fail("kafka", "group_instance_id", "must not be blank")
+    if k.group_instance_id is not None and not k.static_membership:
+        raise fail("kafka", "group_instance_id", "set, but static_membership is false")
+    if not k.stale_after_s > 0:
+        raise fail("kafka", "stale_after_s", f"must be positive, got {k.stale_after_s}")
     sasl = k.security_protocol.startswith("SASL_")
     ssl = k.security_protocol in ("SSL", "SASL_SSL")
     if sasl:
@@ -615,3 +660,30 @@ def kafka_client_options(kafka: KafkaConfig) -> dict[str, object]:
             reason = getattr(exc, "reason", None) or exc.strerror or type(exc).__name__
             raise ConfigError(f"[kafka] {key}: cannot build the TLS context: {reason}") from exc
     return opts
+
+
+def kafka_service_options(kafka: KafkaConfig) -> dict[str, object]:
+    """`kafka_client_options` and the request and metadata timeouts, for
+    the clients of a long-running service (the daemon, a replica)."""
+    return {
+        **kafka_client_options(kafka),
+        "request_timeout_ms": kafka.request_timeout_ms,
+        "metadata_max_age_ms": kafka.metadata_max_age_ms,
+    }
+
+
+def kafka_group_options(kafka: KafkaConfig) -> dict[str, object]:
+    """A group consumer's membership: its session, heartbeat and static
+    `group_instance_id` (`client_id` unless set; none in the scale-out mode
+    unless set, where a stopped daemon must hand its partitions over at
+    once, and a static member does not leave its group when it stops)."""
+    instance = kafka.group_instance_id
+    if instance is None and not kafka.repartition:
+        instance = kafka.client_id
+    if not kafka.static_membership:
+        instance = None
+    return {
+        "session_timeout_ms": kafka.session_timeout_ms,
+        "heartbeat_interval_ms": kafka.heartbeat_interval_ms,
+        "group_instance_id": instance,
+    }

@@ -42,8 +42,8 @@ from consumers.event_consumer import EventConsumer
 from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
 from consumers.routing import group_key, group_partition
-from consumers.topics import TopicError, TopicSpec, ensure_topics_on
-from kvconductor.config import Config, kafka_client_options, reveal
+from consumers.topics import Replication, TopicError, TopicSpec, compacted_spec, ensure_topics_on
+from kvconductor.config import Config, kafka_group_options, kafka_service_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.http_front import QuerySite
@@ -62,9 +62,6 @@ log = structlog.get_logger("kvconductor.daemon")
 
 EXPIRE_EVERY_S = 1.0
 POLL_TIMEOUT_MS = 200
-# A broker answers a fetch every fetch_max_wait_ms (0.5 s) even when idle:
-# this long without an answer means it is gone, frozen or unreachable.
-KAFKA_SILENCE_S = 10.0
 # Once stopping, how long Kafka calls (the last snapshot, producers' flushes)
 # may still take: against an unreachable broker they would wait forever.
 STOP_GRACE_S = 15.0
@@ -92,11 +89,6 @@ def _progress_log(every_s: float = 2.0) -> Callable[[int, int], None]:
 
 def topic_specs(cfg: Config) -> list[TopicSpec]:
     k = cfg.kafka
-    compacted = {
-        "cleanup.policy": "compact",
-        "min.cleanable.dirty.ratio": "0.1",
-        "segment.ms": str(10 * 60 * 1000),
-    }
     internal = (
         [TopicSpec(k.repartition_topic, k.partitions, k.replication_factor, {}, {})]
         if k.repartition
@@ -105,27 +97,13 @@ def topic_specs(cfg: Config) -> list[TopicSpec]:
     registrations = cfg.http.registrations_topic
     if registrations:
         # Keyed by instance rank: compaction keeps each one's last registration.
-        internal.append(
-            TopicSpec(
-                registrations,
-                k.partitions,
-                k.replication_factor,
-                compacted,
-                {"cleanup.policy": "compact"},
-            )
-        )
+        internal.append(compacted_spec(registrations, k.partitions, k.replication_factor))
     return [
         *internal,
         TopicSpec(k.engine_topic, k.partitions, k.replication_factor, {}, {}),
         TopicSpec(k.pool_topic, k.partitions, k.replication_factor, {}, {}),
         TopicSpec(k.dead_letter_topic, 1, k.replication_factor, {}, {}),
-        TopicSpec(
-            k.snapshot_topic,
-            1,
-            k.replication_factor,
-            compacted,
-            {"cleanup.policy": "compact"},
-        ),
+        compacted_spec(k.snapshot_topic, 1, k.replication_factor),
     ]
 
 
@@ -169,11 +147,18 @@ class Daemon:
         events = self.events
         if events is None or not events.consumer.assignment():
             return False, "waiting for partition assignment"
+        # A broker answers a fetch every fetch_max_wait_ms (0.5 s) even when
+        # idle: this long without an answer means it is gone, frozen or
+        # unreachable.
+        bound = self.cfg.kafka.stale_after_s
         silent = events.silent_for()
-        if silent > KAFKA_SILENCE_S:
+        if silent > bound:
             return False, f"kafka unavailable: no answer for {silent:.0f} s"
         if not events.caught_up:
             return False, "catching up"
+        stale = events.staleness(bound)
+        if stale is not None:
+            return False, stale
         return True, "ready"
 
     # ------------------------------------------------------------- phases
@@ -222,7 +207,7 @@ class Daemon:
         return await self._with_backoff(what, lambda: started(make))
 
     async def prepare_topics(self) -> None:
-        opts = kafka_client_options(self.cfg.kafka)
+        opts = kafka_service_options(self.cfg.kafka)
 
         async def attempt() -> None:
             await check_access(self.cfg.kafka)  # a refused login or certificate: exit
@@ -232,6 +217,7 @@ class Daemon:
                     self.cfg.kafka.client_id,
                     opts,
                     topic_specs(self.cfg),
+                    Replication.of(self.cfg.kafka),
                 )
             except TopicError as exc:
                 raise FatalError(str(exc)) from exc
@@ -254,7 +240,7 @@ class Daemon:
                     enable_auto_commit=False,
                     isolation_level="read_committed",
                     fetch_max_wait_ms=50,
-                    **kafka_client_options(k),
+                    **kafka_service_options(k),
                 )
             )
             try:
@@ -460,7 +446,7 @@ class Daemon:
             transactional_id=transactional_id,
             enable_idempotence=True,
             **options,
-            **kafka_client_options(k),
+            **kafka_service_options(k),
         )
 
     def _snapshot_producer(self) -> AIOKafkaProducer:
@@ -490,7 +476,7 @@ class Daemon:
     async def run(self) -> None:
         """Run until `stop()`; raises FatalError for conditions that need a human."""
         k = self.cfg.kafka
-        opts = kafka_client_options(k)
+        opts = kafka_service_options(k)
         await self.start_http()
         producer: AIOKafkaProducer | None = None
         snap_producer: AIOKafkaProducer | None = None
@@ -529,6 +515,7 @@ class Daemon:
                 isolation_level="read_committed",
                 max_partition_fetch_bytes=4 * 1024 * 1024,
                 **opts,
+                **kafka_group_options(k),
             )
             # The broker answered the admin client moments ago: a consumer
             # that fails to start now is a real error, not an outage.
@@ -544,6 +531,8 @@ class Daemon:
             )
             self.events.on_assign = self._on_assign
             self.events.on_revoke = self._on_revoke
+            events = self.events
+            self.metrics.partitions.source = lambda: events.partition_rows(k.stale_after_s)
             await consumer.start()
             self.events.subscribe()
             if k.repartition:
@@ -558,6 +547,7 @@ class Daemon:
                     auto_offset_reset="earliest",
                     isolation_level="read_committed",
                     **opts,
+                    **kafka_group_options(k),
                 )
                 clients.extend([rep_consumer, rep_producer])
                 await rep_consumer.start()

@@ -605,9 +605,7 @@ async def demo(cfg: Config, args: argparse.Namespace, broker: Broker, out: IO[st
 
 async def _kafka_sink(cfg: Config, args: argparse.Namespace, stop: asyncio.Event) -> KafkaSink:
     """Wait for the broker, create the topics if missing, start a producer."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from consumers.topics import ensure_topics
+    from consumers.topics import Replication, ensure_topics_on
     from kvconductor.daemon import topic_specs
 
     deadline = time.monotonic() + args.wait
@@ -622,18 +620,16 @@ async def _kafka_sink(cfg: Config, args: argparse.Namespace, stop: asyncio.Event
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 2.0)
     k = cfg.kafka
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=k.bootstrap_servers,
-        client_id=f"{k.client_id}-demo",
-        **kafka_client_options(k),
-    )
-    await admin.start()
     try:
-        await ensure_topics(admin, topic_specs(cfg))
+        await ensure_topics_on(
+            k.bootstrap_servers,
+            f"{k.client_id}-demo",
+            kafka_client_options(k),
+            topic_specs(cfg),
+            Replication.of(k),
+        )
     except RuntimeError as exc:
         raise ToolError(str(exc)) from None
-    finally:
-        await admin.close()
     return KafkaSink(await _producer(cfg), k.engine_topic, k.pool_topic)
 
 

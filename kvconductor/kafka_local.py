@@ -14,12 +14,22 @@ Command line (``python -m kvconductor.kafka_local``, later ``kvconductor kafka-l
     start [--dir DIR] [--port PORT] [--controller-port PORT] [--wait SECONDS]
           [--ssl-port PORT] [--sasl-port PORT] [--tls-cert FILE --tls-key FILE]
           [--scram-user NAME=PASSWORD ...]
+    start --brokers N [--dir DIR] [--port PORT] [--controller-port PORT] [--wait SECONDS]
     stop [--dir DIR]
     status [--dir DIR]
     fetch
 
 ``start`` prints only the bootstrap address on stdout (progress goes to stderr), so
 ``BOOTSTRAP=$(python -m kvconductor.kafka_local start)`` works.
+
+``start --brokers N`` (``start_cluster()``) runs a local cluster instead: N KRaft nodes, each
+broker and controller in one process, the N controllers a static quorum; node ``i`` (1..N)
+lives in ``<dir>/node-<i>`` (a single node's data folder of its own) on client port
+``PORT + 2(i-1)`` and controller port ``CONTROLLER_PORT + 2(i-1)``; the internal topics
+(offsets, transaction state) get ``min(3, N)`` replicas and ``min(3, N) - 1`` in sync, and
+each node a smaller heap (three fit a 2-core machine beside the tests). ``<dir>/cluster.json``
+records the layout, so ``start`` again (a node restored after a fault) reuses its ports and
+cluster id, and ``stop``/``status`` act on every node. The bootstrap printed lists every node.
 
 Environment: ``KVCONDUCTOR_LOCAL_KAFKA_DIR`` (data folder, default
 ``${XDG_STATE_HOME:-~/.local/state}/kvconductor/kafka-local``),
@@ -70,6 +80,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
+from typing import NamedTuple
 
 # Package data, so a non-editable install finds the templates as a checkout does.
 CONFIG_DIR = Path(__file__).resolve().parent / "resources" / "kafka"
@@ -84,6 +95,9 @@ DEFAULT_WAIT_S = 90.0
 STOP_TIMEOUT_S = 30.0
 MIN_JAVA = 17
 DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
+# Smaller still for each node of a local cluster: three of them, the tests and the
+# daemons share 2 cores (it comes after JVM_OPTIONS, so it wins).
+CLUSTER_NODE_HEAP: tuple[str, ...] = ("-Xms32m", "-Xmx320m")
 # Small heap: the broker shares a 2-core machine with the tests and the daemon.
 JVM_OPTIONS: tuple[str, ...] = (
     "-Xms64m",
@@ -102,6 +116,7 @@ ENV_LIBS = "KVCONDUCTOR_LOCAL_KAFKA_LIBS"
 ENV_JAVA_OPTS = "KVCONDUCTOR_LOCAL_KAFKA_JAVA_OPTS"
 
 PID_FILE = "kafka.pid"
+CLUSTER_FILE = "cluster.json"
 STATE_FILE = "broker.json"
 SCRAM_FILE = "scram-users.json"
 KEYSTORE_FILE = Path("tls") / "keystore.pem"
@@ -185,6 +200,27 @@ class Security:
                         f"SCRAM {what} of {name!r} must be non-empty, without spaces, "
                         "commas, brackets, quotes or '='"
                     )
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """A node's place in its KRaft quorum: its id, and every voter's id and controller port
+    (a single node is the one voter of its own quorum)."""
+
+    node_id: int
+    voters: Mapping[int, int]
+
+    @property
+    def replication(self) -> int:
+        """Replicas of the internal topics (and the default of others)."""
+        return min(3, len(self.voters))
+
+    @property
+    def min_isr(self) -> int:
+        return max(1, self.replication - 1)
+
+    def render_voters(self) -> str:
+        return ",".join(f"{node}@{HOST}:{port}" for node, port in sorted(self.voters.items()))
 
 
 @dataclass(frozen=True)
@@ -375,11 +411,18 @@ def fetch_jars(libs: Path | None = None) -> Path:
 # --------------------------------------------------------------------------------------
 
 
-def render_properties(data_dir: Path, listeners: Sequence[Listener], controller_port: int) -> str:
+def render_properties(
+    data_dir: Path,
+    listeners: Sequence[Listener],
+    controller_port: int,
+    quorum: Quorum | None = None,
+) -> str:
     """``server.properties`` for ``data_dir`` from the template in ``resources/kafka``.
 
     The first listener must be ``PLAINTEXT`` (the inter-broker listener of the template).
+    ``quorum`` defaults to a single node (id 1, the only voter).
     """
+    quorum = quorum if quorum is not None else Quorum(1, {1: controller_port})
     if not listeners or listeners[0].name != "PLAINTEXT":
         raise KafkaLocalError("the first listener must be the PLAINTEXT listener")
     controller = Listener("CONTROLLER", controller_port)
@@ -395,6 +438,10 @@ def render_properties(data_dir: Path, listeners: Sequence[Listener], controller_
     template = Template(_config_file(PROPERTIES_TEMPLATE).read_text())
     return template.substitute(
         controller_port=controller_port,
+        node_id=quorum.node_id,
+        quorum_voters=quorum.render_voters(),
+        replication=quorum.replication,
+        min_isr=quorum.min_isr,
         data_dir=str(data_dir),
         listeners=",".join(lst.url for lst in (*listeners, controller)),
         advertised_listeners=",".join(lst.url for lst in listeners),
@@ -522,10 +569,13 @@ def _check_scram_users(data_dir: Path, cluster_id: str | None, security: Securit
         )
 
 
-def _java_cmd(java: str, libs: Path, data_dir: Path, main_class: str) -> list[str]:
+def _java_cmd(
+    java: str, libs: Path, data_dir: Path, main_class: str, heap: Sequence[str] = ()
+) -> list[str]:
     return [
         java,
         *JVM_OPTIONS,
+        *heap,
         *shlex.split(os.environ.get(ENV_JAVA_OPTS, "")),
         "-cp",
         f"{libs}/*",
@@ -672,8 +722,9 @@ def _log_tail(data_dir: Path, lines: int = 30) -> str:
 # --------------------------------------------------------------------------------------
 
 
-async def _answers(bootstrap: str, timeout_s: float) -> bool:
-    """One admin call: does the broker answer a metadata request listing itself?"""
+async def _answers(bootstrap: str, timeout_s: float, brokers: int = 1) -> bool:
+    """One admin call: does the broker answer a metadata request listing itself (and, in a
+    cluster, at least ``brokers`` brokers)?"""
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(
@@ -685,7 +736,7 @@ async def _answers(bootstrap: str, timeout_s: float) -> bool:
         async with asyncio.timeout(timeout_s):
             await admin.start()
             cluster = await admin.describe_cluster()
-        return bool(cluster.get("brokers"))
+        return len(cluster.get("brokers") or []) >= brokers
     except Exception:
         return False
     finally:
@@ -702,7 +753,7 @@ def _port_open(port: int) -> bool:
 
 
 async def _wait_ready_async(
-    bootstrap: str, port: int, alive: Callable[[], bool], wait_s: float
+    bootstrap: str, port: int, alive: Callable[[], bool], wait_s: float, brokers: int
 ) -> str:
     deadline = time.monotonic() + wait_s
     while True:
@@ -711,12 +762,14 @@ async def _wait_ready_async(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return "timeout"
-        if _port_open(port) and await _answers(bootstrap, min(5.0, max(remaining, 0.5))):
+        if _port_open(port) and await _answers(bootstrap, min(5.0, max(remaining, 0.5)), brokers):
             return "ready"
         await asyncio.sleep(0.25)
 
 
-def _wait_ready(bootstrap: str, port: int, alive: Callable[[], bool], wait_s: float) -> str:
+def _wait_ready(
+    bootstrap: str, port: int, alive: Callable[[], bool], wait_s: float, brokers: int = 1
+) -> str:
     """Poll until the broker answers ("ready"), its process ends ("died") or time is up.
 
     Runs its own event loop in a worker thread: safe to call from synchronous code, from a
@@ -728,7 +781,7 @@ def _wait_ready(bootstrap: str, port: int, alive: Callable[[], bool], wait_s: fl
     aiokafka_log.setLevel(logging.CRITICAL)
     try:
         with concurrent.futures.ThreadPoolExecutor(1, "kafka-local-wait") as pool:
-            coro = _wait_ready_async(bootstrap, port, alive, wait_s)
+            coro = _wait_ready_async(bootstrap, port, alive, wait_s, brokers)
             return pool.submit(asyncio.run, coro).result()
     finally:
         aiokafka_log.setLevel(level)
@@ -748,6 +801,7 @@ def _ready_or_raise(
     started: float,
     *,
     fresh: bool,
+    brokers: int = 1,
 ) -> str:
     """Wait for the broker; on failure print its log tail and raise. A ``fresh`` broker (just
     launched) that does not answer in time is stopped; an older one is left alone."""
@@ -760,7 +814,7 @@ def _ready_or_raise(
             return child.poll() is None
         return _is_our_broker(pid, data_dir)
 
-    outcome = _wait_ready(bootstrap, port, alive, wait_s)
+    outcome = _wait_ready(bootstrap, port, alive, wait_s, brokers)
     if outcome == "ready":
         _say(f"broker ready on {bootstrap} (pid {pid}, {time.monotonic() - started:.1f} s)")
         return bootstrap
@@ -810,99 +864,230 @@ def start(
     controller_port = port + 1 if controller_port is None else controller_port
     data_dir.mkdir(parents=True, exist_ok=True)
     with _locked(data_dir / LOCK_FILE):
-        pid = running_pid(data_dir)
-        if pid is not None:
-            state = _read_state(data_dir)
-            running_port = state.get("port")
-            if not isinstance(running_port, int):
-                raise KafkaLocalError(f"{data_dir / STATE_FILE} is unreadable; run stop first")
-            bootstrap = f"{HOST}:{running_port}"
-            if running_port != port and explicit_port:
-                _say(f"already running in {data_dir} on port {running_port}, not {port}")
-            secured = {name: f"{HOST}:{p}" for name, p in security.ports().items()}
-            running_secured = {k: v for k, v in _listeners_of(state).items() if k != "PLAINTEXT"}
-            if secured and secured != running_secured:
-                shown = ", ".join(f"{k} {v}" for k, v in running_secured.items()) or "none"
-                _say(f"already running with other secured listeners ({shown}); stop it first")
-            _say(f"already running (pid {pid}) in {data_dir}")
-            return _ready_or_raise(
-                data_dir, bootstrap, running_port, pid, wait_s, started, fresh=False
-            )
-        _forget(data_dir)  # a stale pid file, if any
-        formatted_id = _existing_cluster_id(data_dir)
-        listeners = listeners_for(data_dir, port, security)
-        _check_scram_users(data_dir, formatted_id, security)
+        launch = _launch(data_dir, port, controller_port, security, explicit_port=explicit_port)
+        return _ready_or_raise(
+            data_dir, launch.bootstrap, launch.port, launch.pid, wait_s, started, fresh=launch.fresh
+        )
 
-        java = find_java()
-        libs = fetch_jars()
-        busy = [p for p in (*(lst.port for lst in listeners), controller_port) if _port_busy(p)]
-        if busy:
-            raise KafkaLocalError(
-                f"port {busy[0]} on {HOST} is already in use (another broker?); "
-                f"choose others with --port/--controller-port or {ENV_PORT}"
-            )
-        props = data_dir / "server.properties"
-        _write(props, render_properties(data_dir, listeners, controller_port))
-        logs = data_dir / "logs"
-        logs.mkdir(exist_ok=True)
 
-        cluster_id = formatted_id or new_cluster_id()
-        fmt = subprocess.run(
-            [
-                *_java_cmd(java, libs, data_dir, "kafka.tools.StorageTool"),
-                "format", "-t", cluster_id, "-c", str(props), "--ignore-formatted",
-                *(scram_format_args(security.scram_users) if formatted_id is None else ()),
-            ],
-            capture_output=True, text=True, timeout=180, check=False,
-        )  # fmt: skip
-        if fmt.returncode != 0:
-            # The output would echo SCRAM passwords given on the command line.
-            output = (fmt.stdout + fmt.stderr).strip()
-            for password in security.scram_users.values():
-                output = output.replace(password, "*****")
-            print(output, file=sys.stderr)
-            # Kept: a caller that captures stderr (the soak, tests) loses it.
-            _write(logs / "format.out", output + "\n")
-            raise KafkaLocalError(
-                f"formatting the KRaft storage in {data_dir} failed; see {logs / 'format.out'}"
-            )
-        if formatted_id is None:
-            users = _scram_digests(cluster_id, security.scram_users)
-            _write_private(data_dir / SCRAM_FILE, json.dumps({"users": users}, indent=2) + "\n")
+class _Launch(NamedTuple):
+    bootstrap: str
+    port: int
+    pid: int
+    fresh: bool  # launched now (else found running)
 
-        shown = ", ".join(f"{lst.name} {HOST}:{lst.port}" for lst in listeners)
-        _say(f"starting Kafka {kafka_version()} in {data_dir} ({shown})")
-        with (logs / "kafka.out").open("ab") as out:
-            child = subprocess.Popen(
-                [*_java_cmd(java, libs, data_dir, "kafka.Kafka"), str(props)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=data_dir,
-                start_new_session=True,
+
+def _launch(
+    data_dir: Path,
+    port: int,
+    controller_port: int,
+    security: Security,
+    *,
+    explicit_port: bool = True,
+    quorum: Quorum | None = None,
+    cluster_id: str | None = None,
+    heap: Sequence[str] = (),
+) -> _Launch:
+    """Find the broker of ``data_dir`` running, or format its storage (once, with
+    ``cluster_id`` if given) and launch it; call with the folder's lock held. Does not wait
+    for it to answer."""
+    pid = running_pid(data_dir)
+    if pid is not None:
+        state = _read_state(data_dir)
+        running_port = state.get("port")
+        if not isinstance(running_port, int):
+            raise KafkaLocalError(f"{data_dir / STATE_FILE} is unreadable; run stop first")
+        bootstrap = f"{HOST}:{running_port}"
+        if running_port != port and explicit_port:
+            _say(f"already running in {data_dir} on port {running_port}, not {port}")
+        secured = {name: f"{HOST}:{p}" for name, p in security.ports().items()}
+        running_secured = {k: v for k, v in _listeners_of(state).items() if k != "PLAINTEXT"}
+        if secured and secured != running_secured:
+            shown = ", ".join(f"{k} {v}" for k, v in running_secured.items()) or "none"
+            _say(f"already running with other secured listeners ({shown}); stop it first")
+        _say(f"already running (pid {pid}) in {data_dir}")
+        return _Launch(bootstrap, running_port, pid, fresh=False)
+    _forget(data_dir)  # a stale pid file, if any
+    formatted_id = _existing_cluster_id(data_dir)
+    listeners = listeners_for(data_dir, port, security)
+    _check_scram_users(data_dir, formatted_id, security)
+
+    java = find_java()
+    libs = fetch_jars()
+    busy = [p for p in (*(lst.port for lst in listeners), controller_port) if _port_busy(p)]
+    if busy:
+        raise KafkaLocalError(
+            f"port {busy[0]} on {HOST} is already in use (another broker?); "
+            f"choose others with --port/--controller-port or {ENV_PORT}"
+        )
+    props = data_dir / "server.properties"
+    _write(props, render_properties(data_dir, listeners, controller_port, quorum))
+    logs = data_dir / "logs"
+    logs.mkdir(exist_ok=True)
+
+    cluster_id = formatted_id or cluster_id or new_cluster_id()
+    fmt = subprocess.run(
+        [
+            *_java_cmd(java, libs, data_dir, "kafka.tools.StorageTool", heap),
+            "format", "-t", cluster_id, "-c", str(props), "--ignore-formatted",
+            *(scram_format_args(security.scram_users) if formatted_id is None else ()),
+        ],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    if fmt.returncode != 0:
+        # The output would echo SCRAM passwords given on the command line.
+        output = (fmt.stdout + fmt.stderr).strip()
+        for password in security.scram_users.values():
+            output = output.replace(password, "*****")
+        print(output, file=sys.stderr)
+        # Kept: a caller that captures stderr (the soak, tests) loses it.
+        _write(logs / "format.out", output + "\n")
+        raise KafkaLocalError(
+            f"formatting the KRaft storage in {data_dir} failed; see {logs / 'format.out'}"
+        )
+    if formatted_id is None:
+        users = _scram_digests(cluster_id, security.scram_users)
+        _write_private(data_dir / SCRAM_FILE, json.dumps({"users": users}, indent=2) + "\n")
+
+    shown = ", ".join(f"{lst.name} {HOST}:{lst.port}" for lst in listeners)
+    _say(f"starting Kafka {kafka_version()} in {data_dir} ({shown})")
+    with (logs / "kafka.out").open("ab") as out:
+        child = subprocess.Popen(
+            [*_java_cmd(java, libs, data_dir, "kafka.Kafka", heap), str(props)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=data_dir,
+            start_new_session=True,
+        )
+    _CHILDREN[child.pid] = child
+    bootstrap = f"{HOST}:{port}"
+    try:
+        _write(data_dir / PID_FILE, f"{child.pid}\n")
+    except KafkaLocalError:
+        # Untracked, it would outlive every `stop`.
+        child.kill()
+        child.wait()
+        raise
+    state = {
+        "pid": child.pid,
+        "bootstrap": bootstrap,
+        "port": port,
+        "controller_port": controller_port,
+        "listeners": {lst.name: f"{HOST}:{lst.port}" for lst in listeners},
+        "cluster_id": cluster_id,
+        "kafka_version": kafka_version(),
+        "libs": str(libs),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    _write(data_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
+    return _Launch(bootstrap, port, child.pid, fresh=True)
+
+
+def node_dir(data_dir: Path, node_id: int) -> Path:
+    """The data folder of node ``node_id`` (1..N) of the local cluster in ``data_dir``."""
+    return data_dir / f"node-{node_id}"
+
+
+def _read_cluster(data_dir: Path) -> dict[str, object]:
+    """The layout ``cluster.json`` records, or {} (not a cluster folder)."""
+    return _read_json(data_dir / CLUSTER_FILE)
+
+
+def _cluster_nodes(data_dir: Path) -> list[tuple[int, int, int]]:
+    """(node id, client port, controller port) of every node of the cluster in ``data_dir``."""
+    layout = _read_cluster(data_dir)
+    ports, controllers = layout.get("ports"), layout.get("controller_ports")
+    if not isinstance(ports, list) or not isinstance(controllers, list):
+        return []
+    return [
+        (i + 1, int(p), int(c)) for i, (p, c) in enumerate(zip(ports, controllers, strict=True))
+    ]
+
+
+def start_cluster(
+    data_dir: Path | None = None,
+    brokers: int = 3,
+    port: int | None = None,
+    controller_port: int | None = None,
+    wait_s: float = DEFAULT_WAIT_S,
+    ports: Sequence[int] | None = None,
+    controller_ports: Sequence[int] | None = None,
+) -> str:
+    """Start (or find running) every node of the local cluster of ``data_dir``; return the
+    bootstrap address listing them all.
+
+    Node ``i`` gets client port ``port + 2(i-1)`` and controller port ``controller_port +
+    2(i-1)`` (``port`` as for ``start``, ``controller_port`` defaulting to ``port + 1``), or
+    the ``ports`` and ``controller_ports`` given. A folder that already holds a cluster keeps
+    its layout (node count, ports, cluster id): starting it again restarts the nodes that are
+    not running, which is how a test restores a node it killed. All nodes are launched before
+    any is waited for: a node answers only once a majority of the quorum runs."""
+    started = time.monotonic()
+    data_dir = _resolve_dir(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(data_dir / LOCK_FILE):
+        nodes = _cluster_nodes(data_dir)
+        if nodes:
+            if brokers > 1 and len(nodes) != brokers:
+                _say(f"{data_dir} holds a cluster of {len(nodes)} nodes, not {brokers}")
+            layout = _read_cluster(data_dir)
+            cluster_id = str(layout.get("cluster_id"))
+        else:
+            if brokers < 2:
+                raise KafkaLocalError("a cluster needs at least 2 brokers (--brokers)")
+            first = default_port() if port is None else port
+            ctrl = first + 1 if controller_port is None else controller_port
+            client = list(ports) if ports else [first + 2 * i for i in range(brokers)]
+            controllers = (
+                list(controller_ports)
+                if controller_ports
+                else [ctrl + 2 * i for i in range(brokers)]
             )
-        _CHILDREN[child.pid] = child
-        bootstrap = f"{HOST}:{port}"
-        try:
-            _write(data_dir / PID_FILE, f"{child.pid}\n")
-        except KafkaLocalError:
-            # Untracked, it would outlive every `stop`.
-            child.kill()
-            child.wait()
-            raise
-        state = {
-            "pid": child.pid,
-            "bootstrap": bootstrap,
-            "port": port,
-            "controller_port": controller_port,
-            "listeners": {lst.name: f"{HOST}:{lst.port}" for lst in listeners},
-            "cluster_id": cluster_id,
-            "kafka_version": kafka_version(),
-            "libs": str(libs),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        _write(data_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
-        return _ready_or_raise(data_dir, bootstrap, port, child.pid, wait_s, started, fresh=True)
+            if len(client) != brokers or len(controllers) != brokers:
+                raise KafkaLocalError(
+                    f"{brokers} brokers need {brokers} ports and controller ports"
+                )
+            cluster_id = new_cluster_id()
+            nodes = [
+                (i + 1, p, c) for i, (p, c) in enumerate(zip(client, controllers, strict=True))
+            ]
+            layout = {
+                "brokers": brokers,
+                "ports": client,
+                "controller_ports": controllers,
+                "bootstrap": ",".join(f"{HOST}:{p}" for p in client),
+                "cluster_id": cluster_id,
+            }
+            _write(data_dir / CLUSTER_FILE, json.dumps(layout, indent=2) + "\n")
+        voters = {node: ctrl for node, _, ctrl in nodes}
+        launched = []
+        for node, client_port, ctrl in nodes:
+            folder = node_dir(data_dir, node)
+            folder.mkdir(exist_ok=True)
+            with _locked(folder / LOCK_FILE):
+                launch = _launch(
+                    folder,
+                    client_port,
+                    ctrl,
+                    Security(),
+                    quorum=Quorum(node, voters),
+                    cluster_id=cluster_id,
+                    heap=CLUSTER_NODE_HEAP,
+                )
+            launched.append((folder, launch))
+        for folder, launch in launched:
+            _ready_or_raise(
+                folder,
+                launch.bootstrap,
+                launch.port,
+                launch.pid,
+                wait_s,
+                started,
+                fresh=launch.fresh,
+                brokers=len(nodes),
+            )
+        return str(layout["bootstrap"])
 
 
 def _kill(pid: int, data_dir: Path, timeout_s: float) -> None:
@@ -942,6 +1127,9 @@ def stop(data_dir: Path | None = None, timeout_s: float = STOP_TIMEOUT_S) -> boo
     if not data_dir.is_dir():
         _say(f"not running ({data_dir} does not exist)")
         return False
+    nodes = _cluster_nodes(data_dir)
+    if nodes:
+        return _stop_cluster(data_dir, [node_dir(data_dir, n) for n, _, _ in nodes], timeout_s)
     with _locked(data_dir / LOCK_FILE):
         pid = running_pid(data_dir)
         if pid is None:
@@ -957,9 +1145,42 @@ def stop(data_dir: Path | None = None, timeout_s: float = STOP_TIMEOUT_S) -> boo
         return True
 
 
+def _stop_cluster(data_dir: Path, folders: Sequence[Path], timeout_s: float) -> bool:
+    """Every node at once: stopped one after another, the last ones would wait for a quorum
+    that is gone."""
+    with _locked(data_dir / LOCK_FILE):
+        pids = [(folder, running_pid(folder)) for folder in folders]
+        for _, pid in pids:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        started = time.monotonic()
+        for folder, pid in pids:
+            if pid is not None:
+                _kill(pid, folder, max(1.0, timeout_s - (time.monotonic() - started)))
+            _forget(folder)
+        stopped = [pid for _, pid in pids if pid is not None]
+        if stopped:
+            _say(f"stopped {len(stopped)} nodes in {time.monotonic() - started:.1f} s")
+        else:
+            _say(f"not running in {data_dir}")
+        return bool(stopped)
+
+
 def status(data_dir: Path | None = None) -> BrokerStatus:
-    """Print and return whether the broker of ``data_dir`` runs, its pid and bootstrap."""
+    """Print and return whether the broker of ``data_dir`` runs, its pid and bootstrap; for a
+    cluster, a line per node, and running and answering only if every node is."""
     data_dir = _resolve_dir(data_dir)
+    nodes = _cluster_nodes(data_dir) if data_dir.is_dir() else []
+    if nodes:
+        each = [status(node_dir(data_dir, n)) for n, _, _ in nodes]
+        return BrokerStatus(
+            data_dir,
+            all(s.running for s in each),
+            None,
+            ",".join(s.bootstrap for s in each if s.bootstrap),
+            all(s.answering for s in each),
+        )
     pid = running_pid(data_dir) if data_dir.is_dir() else None
     if pid is None:
         print(f"stopped (dir {data_dir})")
@@ -1030,6 +1251,12 @@ def _parser() -> argparse.ArgumentParser:
     start_p.add_argument(
         "--wait", type=float, default=DEFAULT_WAIT_S, help="seconds to wait for readiness"
     )
+    start_p.add_argument(
+        "--brokers",
+        type=int,
+        default=1,
+        help="a local cluster of this many KRaft nodes (ports PORT, PORT+2, ...; default 1)",
+    )
     secured = start_p.add_argument_group(
         "security", "TLS and SASL/SCRAM listeners beside PLAINTEXT (see docs/operations.md)"
     )
@@ -1060,11 +1287,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_cluster(data_dir: Path | None) -> bool:
+    return bool(_cluster_nodes(_resolve_dir(data_dir)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point. Exit codes: 0 ok; 1 error; 3 ``status`` found it stopped."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "start":
+        if args.command == "start" and (args.brokers > 1 or _is_cluster(args.dir)):
+            if _security(args) != Security():
+                raise KafkaLocalError("a local cluster has only PLAINTEXT listeners")
+            bootstrap = start_cluster(
+                args.dir, args.brokers, args.port, args.controller_port, args.wait
+            )
+            print(bootstrap, flush=True)
+        elif args.command == "start":
             bootstrap = start(args.dir, args.port, args.controller_port, args.wait, _security(args))
             print(bootstrap, flush=True)
         elif args.command == "stop":

@@ -9,6 +9,7 @@ import queue
 import sys
 import threading
 import time
+from typing import Any
 
 import structlog
 
@@ -75,6 +76,111 @@ class LogWriter:
 WRITER: LogWriter | None = None
 
 
+class RateLimitedLog:
+    """Logs a kind of problem at most once per interval, with the count skipped."""
+
+    def __init__(self, name: str, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._log = structlog.get_logger(name)
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def log(self, level: int, kind: str, event: str, **fields: Any) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        suppressed = self._suppressed.pop(kind, 0)
+        self._log.log(level, event, kind=kind, suppressed_since_last=suppressed, **fields)
+
+    def warn(self, kind: str, event: str, **fields: Any) -> None:
+        self.log(logging.WARNING, kind, event, **fields)
+
+
+# aiokafka's messages that a cluster in motion sends by the hundred (a broker
+# restarting, a leader or coordinator moving): what they mean is said once a
+# while as a warning, counted every time.
+_CONNECTION_NOISE = (
+    "Unable connect to",  # a node, or a bootstrap server
+    "Failed fetch messages",
+    "Unable to request metadata",
+    "Unable to update metadata",
+    "Got error produce response",
+    "NodeNotReady",
+    "KafkaConnectionError",
+    "RequestTimedOut",
+    "Connection closed",
+)
+# What every start and every coordinator move says before it settles.
+_EXPECTED = (
+    "GroupCoordinatorNotAvailable",
+    "CoordinatorNotAvailable",
+    "NotCoordinator",
+    "CoordinatorLoadInProgress",
+    "coordinator dead",
+    "Heartbeat session expired",
+    "LeaderNotAvailable",
+    "NotLeaderForPartition",
+    "UnknownTopicOrPartition",
+    "Heartbeat failed",
+    "OffsetCommit failed",
+)
+
+
+class KafkaLogHandler(logging.Handler):
+    """aiokafka's standard-library log, into the structured log.
+
+    Expected start-up and fail-over noise (coordinator not available yet,
+    leaders moving) goes to info; connection errors to warning, each kind
+    (its message template) once a minute at most with the count of those
+    skipped; other warnings and errors keep their level, rate-limited the
+    same way.
+    `counts` holds every warning and error seen, by level."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        super().__init__(logging.DEBUG)
+        self.limited = RateLimitedLog("aiokafka", interval_s)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed call in a library must not break logging
+            message = str(record.msg)
+        level = _level(record.levelno, message)
+        if level >= logging.WARNING:
+            name = logging.getLevelName(level).lower()
+            self.counts[name] = self.counts.get(name, 0) + 1
+        if record.levelno < logging.WARNING:  # aiokafka's own info: as it is
+            structlog.get_logger(record.name).log(level, message, logger=record.name)
+            return
+        fields: dict[str, Any] = {"logger": record.name}
+        if record.exc_info and record.exc_info[1] is not None:
+            fields["error"] = repr(record.exc_info[1])
+        self.limited.log(level, f"{record.name}:{record.msg}", message, **fields)
+
+
+def _level(levelno: int, message: str) -> int:
+    if levelno < logging.WARNING:
+        return levelno
+    if any(m in message for m in _EXPECTED):
+        return logging.INFO
+    if any(m in message for m in _CONNECTION_NOISE):
+        return logging.WARNING
+    return levelno
+
+
+KAFKA_LOG: KafkaLogHandler | None = None
+
+
+def kafka_log_lines() -> dict[str, int]:
+    """aiokafka's warnings and errors seen so far, by level (rate-limited
+    in the log, counted here)."""
+    return dict(KAFKA_LOG.counts) if KAFKA_LOG is not None else {}
+
+
 def dropped_lines() -> int:
     return WRITER.dropped if WRITER is not None else 0
 
@@ -86,7 +192,7 @@ def drain(timeout_s: float) -> None:
 
 
 def setup_logging(level: str = "info", fmt: str = "auto") -> None:
-    global WRITER
+    global WRITER, KAFKA_LOG
     numeric = _LEVELS.get(level.lower(), logging.INFO)
     sys.stdout.flush()
     writer = WRITER = LogWriter(sys.stdout.fileno(), "stdout")
@@ -107,7 +213,15 @@ def setup_logging(level: str = "info", fmt: str = "auto") -> None:
         logger_factory=lambda *args: writer,
         cache_logger_on_first_use=True,
     )
-    # aiokafka logs through the standard library: keep its warnings, quietly.
+    # aiokafka logs through the standard library: into the same log, as JSON.
+    kafka = logging.getLogger("aiokafka")
+    if KAFKA_LOG is not None:
+        kafka.removeHandler(KAFKA_LOG)
+    KAFKA_LOG = KafkaLogHandler()
+    kafka.addHandler(KAFKA_LOG)
+    kafka.setLevel(numeric)
+    kafka.propagate = False
+    # Anything else through the standard library: its warnings, on stderr.
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,

@@ -20,14 +20,14 @@ collector reads a consistent index without locks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvconductor.logs import dropped_lines
+from kvconductor.logs import dropped_lines, kafka_log_lines
 
 if TYPE_CHECKING:
     from kvconductor.core import Conductor
@@ -53,6 +53,56 @@ LATENCY_BUCKETS = (
 )
 
 PENDING_KINDS = ("waiting", "unresolved", "intents", "retired")
+
+
+class PartitionRow(NamedTuple):
+    """One assigned partition, as the consumer sees it at scrape time."""
+
+    topic: str
+    partition: int
+    fetch_age_s: float
+    behind_s: float
+    stale: bool
+
+
+class PartitionCollector(Collector):
+    """Per assigned partition, at scrape time: seconds since its leader
+    last answered, seconds records have been waiting, and whether that
+    makes the index stale (`/ready` 503)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[PartitionRow]] | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families([])
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self.source() if self.source is not None else [])
+
+    @staticmethod
+    def _families(rows: Iterable[PartitionRow]) -> list[Metric]:
+        labels = ["topic", "partition"]
+        age = GaugeMetricFamily(
+            "kvconductor_partition_fetch_age_seconds",
+            "Seconds since the partition's leader last answered a fetch.",
+            labels=labels,
+        )
+        behind = GaugeMetricFamily(
+            "kvconductor_partition_behind_seconds",
+            "Seconds the partition's waiting records have waited (0: caught up).",
+            labels=labels,
+        )
+        stale = GaugeMetricFamily(
+            "kvconductor_partition_stale",
+            "1 if the index is stale on the partition past kafka.stale_after_s, else 0.",
+            labels=labels,
+        )
+        for row in rows:
+            key = [row.topic, str(row.partition)]
+            age.add_metric(key, row.fetch_age_s)
+            behind.add_metric(key, row.behind_s)
+            stale.add_metric(key, 1.0 if row.stale else 0.0)
+        return [age, behind, stale]
 
 
 class ConductorCollector(Collector):
@@ -93,6 +143,13 @@ class ConductorCollector(Collector):
             "Log lines dropped: the log stream was full or stalled.",
             value=dropped_lines(),
         )
+        kafka_lines = CounterMetricFamily(
+            "kvconductor_kafka_client_log_lines",
+            "Warnings and errors of the Kafka client library, by level (rate-limited in the log).",
+            labels=["level"],
+        )
+        for level, n in sorted(kafka_log_lines().items()):
+            kafka_lines.add_metric([level], n)
         if conductor is not None:
             for kind, n in sorted(conductor.counters.items()):
                 events.add_metric([kind], n)
@@ -103,7 +160,7 @@ class ConductorCollector(Collector):
                 pending.add_metric([kind], by_kind.get(kind, 0))
             namespaces.add_metric([], len(conductor.index.namespaces))
             instances.add_metric([], len(conductor.index.instances))
-        return [events, applied, pending, namespaces, instances, dropped]
+        return [events, applied, pending, namespaces, instances, dropped, kafka_lines]
 
 
 class Metrics:
@@ -113,6 +170,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.collector = ConductorCollector(conductor)
         self.registry.register(self.collector)
+        self.partitions = PartitionCollector()
+        self.registry.register(self.partitions)
         r = self.registry
         self.records_consumed = Counter(
             "kvconductor_records_consumed",

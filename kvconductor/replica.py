@@ -49,7 +49,7 @@ from aiokafka.errors import KafkaError
 from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
 from consumers.positions import resume_positions
-from kvconductor.config import Config, kafka_client_options, reveal
+from kvconductor.config import Config, kafka_service_options, reveal
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.http_front import QuerySite
@@ -215,6 +215,10 @@ class Replica:
             return False, "kafka unavailable"
         if not self.caught_up:
             return False, "catching up"
+        events = self._events
+        stale = events.staleness(self.cfg.kafka.stale_after_s) if events is not None else None
+        if stale is not None:
+            return False, stale
         return True, "ready"
 
     async def wait_caught_up(self, timeout: float | None = None) -> None:
@@ -246,7 +250,7 @@ class Replica:
             "enable_auto_commit": False,
             "auto_offset_reset": "earliest",
             "isolation_level": "read_committed",
-            **kafka_client_options(k),
+            **kafka_service_options(k),
         }
 
     async def start(self) -> None:
@@ -367,6 +371,8 @@ class Replica:
         # Where each partition's next record is expected (as the daemon's
         # assignment hook sets it): anything below is never applied.
         self._events.applied_offsets.update(offsets)
+        events = self._events
+        self.metrics.partitions.source = lambda: events.partition_rows(k.stale_after_s)
         self._task = asyncio.create_task(self._follow_events(self._events))
 
     async def _follow_events(self, events: EventConsumer) -> None:

@@ -51,7 +51,7 @@ from typing import IO, Any
 import aiohttp
 import msgspec
 
-from consumers.topics import ensure_topics_on
+from consumers.topics import Replication, ensure_topics_on
 from kvconductor import kafka_local
 from kvconductor.api_client import metric_sum, parse_metrics
 from kvconductor.config import Config, kafka_client_options, load_config
@@ -354,7 +354,11 @@ class Soak:
         # Before the first record: a producer would otherwise auto-create them
         # with the broker's defaults.
         await ensure_topics_on(
-            k.bootstrap_servers, k.client_id, kafka_client_options(k), topic_specs(cfg)
+            k.bootstrap_servers,
+            k.client_id,
+            kafka_client_options(k),
+            topic_specs(cfg),
+            Replication.of(k),
         )
         self.url = f"http://127.0.0.1:{http_port}"
         self.daemon = DaemonLives(config, self.work / "logs")

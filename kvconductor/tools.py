@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconductor.api_client import Api, metric_by, metric_sum
+from kvconductor.api_client import Api, Metrics, metric_by, metric_sum
 from kvconductor.config import ConfigError, load_config
 from kvconductor.media import HOST, pool_tier
 from kvconductor.termui import ToolError, fail, print_table
@@ -185,6 +185,23 @@ def _fmt(counts: dict[str, float]) -> str:
     return ", ".join(f"{k} {int(v)}" for k, v in sorted(counts.items()))
 
 
+def _partitions(metrics: Metrics) -> list[dict[str, Any]]:
+    """Per assigned partition: lag, seconds since its last fetch answer,
+    seconds its waiting records have waited, stale or not."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for name, field in (
+        ("kvconductor_consumer_lag", "lag"),
+        ("kvconductor_partition_fetch_age_seconds", "fetch_age_s"),
+        ("kvconductor_partition_behind_seconds", "behind_s"),
+        ("kvconductor_partition_stale", "stale"),
+    ):
+        for labels, value in metrics.get(name, []):
+            key = (labels.get("topic", ""), int(labels.get("partition", "0")))
+            row = rows.setdefault(key, {"topic": key[0], "partition": key[1]})
+            row[field] = bool(value) if field == "stale" else value
+    return [rows[key] for key in sorted(rows)]
+
+
 def gather_status(api: Api) -> dict[str, Any]:
     """What `status` shows, as one JSON-able dict."""
     _, health = api.json("GET", "/health")
@@ -199,6 +216,7 @@ def gather_status(api: Api) -> dict[str, Any]:
     return {
         "url": api.url,
         "health": health,
+        "partitions": _partitions(metrics),
         "ready": bool(ready.get("ready")) and ready_code == 200,
         "ready_reason": ready.get("reason", ""),
         "namespaces": workers.get("workers", []),
@@ -220,6 +238,23 @@ def print_status(st: dict[str, Any]) -> None:
     print(f"kvconductor at {st['url']}: {state}")
     print(f"records consumed: {_fmt(st['records_consumed'])}")
     print(f"consumer lag:     {_fmt(st['consumer_lag'])}")
+    partitions = st["partitions"]
+    stale = [p for p in partitions if p.get("stale")]
+    print(f"stale partitions: {len(stale)} of {len(partitions)}")
+    if partitions:
+        print_table(
+            ["PARTITION", "LAG", "LAST FETCH", "WAITING", "STALE"],
+            [
+                [
+                    f"{p['topic']}/{p['partition']}",
+                    str(int(p.get("lag", 0))),
+                    f"{p.get('fetch_age_s', 0.0):.1f}s ago",
+                    f"{p.get('behind_s', 0.0):.1f}s",
+                    "STALE" if p.get("stale") else "-",
+                ]
+                for p in partitions
+            ],
+        )
     print(f"pending (two-phase halves): {_fmt(st['pending'])}")
     dead = sum(st["dead_letters"].values())
     print(

@@ -247,7 +247,11 @@ async def close(producer: AIOKafkaProducer) -> None:
 
 
 async def ready(port: int) -> tuple[int, str]:
-    status, body = await http_json(port, "GET", "/ready")
+    """/ready's status and reason; (0, "not listening") before the daemon listens."""
+    try:
+        status, body = await http_json(port, "GET", "/ready")
+    except OSError:
+        return 0, "not listening"
     return status, body["reason"]
 
 
@@ -345,11 +349,12 @@ class Run:
         return [self.cfg.kafka.engine_topic, self.cfg.kafka.pool_topic]
 
 
-async def new_run(broker: Broker) -> Run:
+async def new_run(bootstrap: str, cfg: Config | None = None) -> Run:
+    """A run on topics of its own (`cfg`'s, else a fresh test config's)."""
     # Frequent generations: some transaction is in flight whenever a fault hits.
-    cfg = daemon_config(broker.bootstrap, KVCONDUCTOR_SNAPSHOT_INTERVAL_S="0.1")
-    await ensure_topics_on(broker.bootstrap, "faults-setup", {}, topic_specs(cfg))
-    return Run(cfg, Feeder(broker.bootstrap, feed_items(cfg)))
+    cfg = cfg or daemon_config(bootstrap, KVCONDUCTOR_SNAPSHOT_INTERVAL_S="0.1")
+    await ensure_topics_on(bootstrap, "faults-setup", {}, topic_specs(cfg))
+    return Run(cfg, Feeder(bootstrap, feed_items(cfg)))
 
 
 async def check_outcome(run: Run, daemon: Daemon, outages: list[Outage]) -> dict[str, Any]:
@@ -366,32 +371,11 @@ async def check_outcome(run: Run, daemon: Daemon, outages: list[Outage]) -> dict
         return {tp: o for tp, o in events.applied_offsets.items() if o} == ends
 
     await wait_for(applied_all, 120, "the daemon to apply the whole stream")
-    records = await read_topics(bootstrap, run.topics)
-    tags = Counter(tag_of(r.headers) for r in records)
-    lost = len(set(range(len(run.feeder.items))) - set(tags))
-    duplicated = sum(n - 1 for n in tags.values())
-    per_key: dict[tuple[str, bytes], list[int]] = {}
-    for r in records:
-        per_key.setdefault((r.topic, r.key), []).append(tag_of(r.headers))
-    out_of_order = sum(seq != sorted(seq) for seq in per_key.values())
-    assert (lost, duplicated, out_of_order) == (0, 0, 0)
-
-    want = oracle_from_kafka(records, run.cfg.kafka.pool_topic)
-    engine, pool = mixed_stream(SEED, STEPS)
+    records, want = await stream_in_topics(run)
     want_fp = state_fingerprint(want.index)
-    assert want_fp == state_fingerprint(oracle(engine, pool).index)
     assert fingerprint_diff(held(daemon)[1], want_fp) == []
     assert await answers(daemon_port(daemon)) == expected_answers(want)
-    restored: dict[UnitKey, bytes] = {}
-
-    async def snapshot_at_end() -> bool:
-        nonlocal restored
-        async with Replica(run.cfg, follow="none") as replica:
-            restored = state_fingerprint(replica.index)
-            return {tp: o for tp, o in replica.offsets().items() if o} == ends
-
-    await wait_for(snapshot_at_end, 60, "a snapshot generation of the whole stream")
-    assert fingerprint_diff(restored, want_fp) == []
+    assert fingerprint_diff(await snapshot_at(run, ends), want_fp) == []
 
     held_during = []
     for outage in outages:
@@ -403,12 +387,40 @@ async def check_outcome(run: Run, daemon: Daemon, outages: list[Outage]) -> dict
         assert fingerprint_diff(during_fp, state_fingerprint(had.index)) == []
         assert outage.answers == expected_answers(had)
         held_during.append(len(prefix))
-    return {
-        "records": len(records),
-        "lost": lost,
-        "duplicated": duplicated,
-        "applied before the outage": held_during,
-    }
+    return {"records": len(records), "applied before the outage": held_during}
+
+
+async def stream_in_topics(run: Run) -> tuple[list[Any], Any]:
+    """The topics' records, checked to hold the stream exactly once and in
+    order per key, and the undisturbed run over them."""
+    records = await read_topics(run.feeder.bootstrap, run.topics)
+    tags = Counter(tag_of(r.headers) for r in records)
+    lost = len(set(range(len(run.feeder.items))) - set(tags))
+    duplicated = sum(n - 1 for n in tags.values())
+    per_key: dict[tuple[str, bytes], list[int]] = {}
+    for r in records:
+        per_key.setdefault((r.topic, r.key), []).append(tag_of(r.headers))
+    out_of_order = sum(seq != sorted(seq) for seq in per_key.values())
+    assert (lost, duplicated, out_of_order) == (0, 0, 0)
+    want = oracle_from_kafka(records, run.cfg.kafka.pool_topic)
+    engine, pool = mixed_stream(SEED, STEPS)
+    assert state_fingerprint(want.index) == state_fingerprint(oracle(engine, pool).index)
+    return records, want
+
+
+async def snapshot_at(run: Run, ends: dict[TopicPartition, int]) -> dict[UnitKey, bytes]:
+    """The state a replica restores from the snapshot topic, once a
+    generation reflects every record up to `ends`."""
+    restored: dict[UnitKey, bytes] = {}
+
+    async def at_end() -> bool:
+        nonlocal restored
+        async with Replica(run.cfg, follow="none") as replica:
+            restored = state_fingerprint(replica.index)
+            return {tp: o for tp, o in replica.offsets().items() if o} == ends
+
+    await wait_for(at_end, 60, "a snapshot generation of the whole stream")
+    return restored
 
 
 def report(fault: str, figures: dict[str, Any]) -> None:
@@ -434,7 +446,7 @@ async def ride_out(
     third; what the daemon shows until `recover()` (with `restart_daemon`,
     it is also stopped and a new one started while the broker is away);
     then the rest, and the outcome."""
-    run = await new_run(broker)
+    run = await new_run(broker.bootstrap)
     feeder = run.feeder
     third = len(feeder.items) // 3
     feeding = asyncio.create_task(feeder.run())
@@ -533,7 +545,7 @@ async def test_snapshot_producer_renewed_after_a_lost_transaction(broker: Broker
     open, the daemon told it failed); the successor must abort that
     transaction, or read_committed readers of the snapshot topic stall
     behind it, and generations must go on."""
-    run = await new_run(broker)
+    run = await new_run(broker.bootstrap)
     feeder = run.feeder
     feeding = asyncio.create_task(feeder.run())
     try:

@@ -259,6 +259,8 @@ async def test_query_and_status_against_a_running_daemon(kafka_bootstrap: str) -
         # (>= 1: see the report about records applied twice at first assignment)
         assert re.search(r"dead letters: +[1-9]\d* \(missing_header [1-9]\d*\)", out), out
         assert "model m / block size 4" in out
+        assert "stale partitions: 0 of " in out
+        assert any(line.startswith(f"{cfg.kafka.engine_topic}/0 ") for line in out.splitlines())
         # blocks per tier: a has two on GPU, b three in host memory
         assert any(line.split()[:5] == ["a", "0", "2", "0", "0"] for line in out.splitlines())
         assert any(line.split()[:5] == ["b", "0", "0", "3", "0"] for line in out.splitlines())
@@ -270,6 +272,8 @@ async def test_query_and_status_against_a_running_daemon(kafka_bootstrap: str) -
         assert set(st["dead_letters"]) == {"missing_header"}
         assert set(st["pending"]) == {"waiting", "unresolved", "intents", "retired"}
         assert st["consumer_lag"].get(cfg.kafka.engine_topic) == 0
+        engine_0 = next(p for p in st["partitions"] if p["topic"] == cfg.kafka.engine_topic)
+        assert (engine_0["partition"], engine_0["lag"], engine_0["stale"]) == (0, 0, False)
 
 
 @pytest.mark.kafka

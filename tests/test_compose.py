@@ -204,6 +204,32 @@ def test_service_environment_is_a_valid_daemon_config(service: str, tmp_path: Pa
     assert cfg.kafka.bootstrap_servers == "kafka:9092"
 
 
+def test_cluster_profile_runs_three_replicated_nodes_and_a_daemon(tmp_path: Path) -> None:
+    services = load_compose()["services"]
+    nodes = [services[f"kafka-{i}"] for i in (1, 2, 3)]
+    assert {n["image"] for n in nodes} == {services["kafka"]["image"]}
+    for i, node in enumerate(nodes, 1):
+        env = node["environment"]
+        assert node["profiles"] == ["cluster"]
+        assert env["KAFKA_NODE_ID"] == str(i)
+        assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == (
+            "1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"
+        )
+        assert env["KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR"] == "3"
+        assert env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"] == env["KAFKA_MIN_INSYNC_REPLICAS"] == "2"
+    assert len({n["environment"]["CLUSTER_ID"] for n in nodes}) == 1
+    daemon = services["kvconductor-cluster"]
+    assert daemon["profiles"] == ["cluster"]
+    assert {f"kafka-{i}" for i in (1, 2, 3)} <= set(daemon["depends_on"])
+    token_file = tmp_path / "http-token"
+    run_token_script(token_file)
+    cfg = load_config(
+        REPO / "config" / "kvconductor.toml", service_env("kvconductor-cluster", token_file)
+    )
+    assert cfg.kafka.bootstrap_servers == "kafka-1:9092,kafka-2:9092,kafka-3:9092"
+    assert cfg.kafka.replication_factor is None  # min(3, brokers): 3
+
+
 def test_daemon_listens_everywhere_with_the_generated_token(tmp_path: Path) -> None:
     services = load_compose()["services"]
     daemon, maker = services["kvconductor"], services["http-token"]

@@ -54,7 +54,8 @@ def test_defaults() -> None:
     assert (k.engine_topic, k.pool_topic) == ("kv-events", "kv-pool-events")
     assert (k.snapshot_topic, k.dead_letter_topic) == ("kv-index-snapshots", "kv-dead-letters")
     assert (k.group_id, k.client_id) == ("kvconductor", "kvconductor")
-    assert (k.partitions, k.replication_factor, k.fetch_max_records) == (6, 1, 2000)
+    assert (k.partitions, k.replication_factor, k.fetch_max_records) == (6, None, 2000)
+    assert (k.min_insync_replicas, k.topic_check, k.group_instance_id) == (None, "warn", None)
     assert k.security_protocol == "PLAINTEXT"
     assert k.sasl_username is None and k.sasl_password is None
     assert (cfg.http.host, cfg.http.port) == ("127.0.0.1", 8787)
@@ -259,6 +260,18 @@ def test_every_key_is_settable_from_env(tmp_path: Path) -> None:
         ("[kafka]\npartitions = 0\n", "[kafka] partitions: must be at least 1, got 0"),
         ("[kafka]\nfetch_max_records = -1\n", "[kafka] fetch_max_records: must be at least 1"),
         ("[kafka]\nreplication_factor = 0\n", "[kafka] replication_factor: must be at least 1"),
+        (
+            "[kafka]\nreplication_factor = 2\nmin_insync_replicas = 3\n",
+            "[kafka] min_insync_replicas: must not exceed replication_factor 2, got 3",
+        ),
+        (
+            "[kafka]\nheartbeat_interval_ms = 10000\n",
+            "[kafka] heartbeat_interval_ms: must be below session_timeout_ms 10000",
+        ),
+        ("[kafka]\nsession_timeout_ms = 0\n", "[kafka] session_timeout_ms: must be at least 1"),
+        ("[kafka]\ngroup_instance_id = ' '\n", "[kafka] group_instance_id: must not be blank"),
+        ("[kafka]\nstale_after_s = 0\n", "[kafka] stale_after_s: must be positive, got 0"),
+        ("[kafka]\ntopic_check = 'maybe'\n", "[kafka] topic_check: expected one of warn, error"),
         ("[kafka]\nengine_topic = 'bad topic'\n", "[kafka] engine_topic: not a valid Kafka topic"),
         ("[kafka]\nsnapshot_topic = ''\n", "[kafka] snapshot_topic: not a valid Kafka topic"),
         (

@@ -82,6 +82,50 @@ def test_render_properties_fills_every_placeholder(tmp_path: Path) -> None:
         assert props[key] == "1"
 
 
+def test_render_properties_of_a_cluster_node(tmp_path: Path) -> None:
+    quorum = kafka_local.Quorum(2, {1: 41001, 2: 41003, 3: 41005})
+    props = _props(
+        kafka_local.render_properties(
+            tmp_path, [kafka_local.Listener("PLAINTEXT", 41002)], 41003, quorum
+        )
+    )
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == (
+        "1@127.0.0.1:41001,2@127.0.0.1:41003,3@127.0.0.1:41005"
+    )
+    # Three replicas, two in sync: the transaction coordinator survives a node.
+    for key in (
+        "default.replication.factor",
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+    ):
+        assert props[key] == "3"
+    assert props["min.insync.replicas"] == props["transaction.state.log.min.isr"] == "2"
+    assert props["unclean.leader.election.enable"] == "false"
+
+
+def test_cluster_cli_rejects_secured_listeners(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvconductor.kafka_local",
+                "start",
+                "--dir",
+                str(tmp_path),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    got = run("--brokers", "3", "--ssl-port", "41009")
+    assert got.returncode == 1
+    assert "a local cluster has only PLAINTEXT listeners" in got.stderr
+
+
 def test_render_properties_extra_listener_settings(tmp_path: Path) -> None:
     # The hook the TLS and SASL/SCRAM listeners use (see Security).
     sasl = kafka_local.Listener(

@@ -82,6 +82,10 @@ def test_environment_variables_in_docs_exist() -> None:
         kafka_local.ENV_JAVA_OPTS,
         "KVCONDUCTOR_VENV",  # ./dev
         "KVCONDUCTOR_TEST_BOOTSTRAP",  # tests/conftest.py
+        # tests/test_cluster_faults.py
+        "KVCONDUCTOR_TEST_CLUSTER",
+        "KVCONDUCTOR_TEST_CLUSTER_DIR",
+        "KVCONDUCTOR_TEST_CLUSTER_ROUNDS",
     }
     for doc in OPERATOR_DOCS:
         named = set(re.findall(r"\bKVCONDUCTOR_[A-Z0-9_]*[A-Z0-9]", doc.read_text()))

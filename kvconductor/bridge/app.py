@@ -23,7 +23,7 @@ import zmq.asyncio
 from aiohttp import web
 from aiokafka.errors import KafkaError
 
-from consumers.topics import TopicError, TopicSpec, ensure_topics_on
+from consumers.topics import Replication, TopicError, TopicSpec, compacted_spec, ensure_topics_on
 from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.http import make_app
@@ -47,20 +47,7 @@ def bridge_topic_specs(cfg: BridgeConfig) -> list[TopicSpec]:
     k = cfg.kafka
     daemon = topic_specs(Config(kafka=k))
     specs = [s for s in daemon if s.name in (k.engine_topic, k.pool_topic)]
-    compacted = {
-        "cleanup.policy": "compact",
-        "min.cleanable.dirty.ratio": "0.1",
-        "segment.ms": str(10 * 60 * 1000),
-    }
-    specs.append(
-        TopicSpec(
-            cfg.bridge.registrations_topic,
-            k.partitions,
-            k.replication_factor,
-            compacted,
-            {"cleanup.policy": "compact"},
-        )
-    )
+    specs.append(compacted_spec(cfg.bridge.registrations_topic, k.partitions, k.replication_factor))
     return specs
 
 
@@ -219,6 +206,7 @@ class Bridge:
                 f"{self.cfg.bridge.client_id}-admin",
                 kafka_client_options(self.cfg.kafka),
                 bridge_topic_specs(self.cfg),
+                Replication.of(self.cfg.kafka),
             )
         except TopicError as exc:
             raise FatalError(str(exc)) from exc
