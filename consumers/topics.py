@@ -96,11 +96,15 @@ async def ensure_topics(
             response = await admin.create_topics(new)
         except TopicAlreadyExistsError:  # another daemon created them first
             response = None
+        raced = set()
         for name, code, message in _topic_errors(response):
-            # 36: TOPIC_ALREADY_EXISTS, raced with another daemon.
-            if code not in (0, 36):
+            # 36: TOPIC_ALREADY_EXISTS: raced with another daemon, or the
+            # broker that listed the topics had not learnt them yet.
+            if code == 36:
+                raced.add(name)
+            elif code:
                 raise TopicError(f"cannot create topic {name}: error {code} {message or ''}")
-        created = [s.name for s in missing]
+        created = [s.name for s in missing if response is not None and s.name not in raced]
     present = [s for s in specs if s.name in existing]
     if present:
         actual = await _configs(admin, present)
