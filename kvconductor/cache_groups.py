@@ -8,7 +8,8 @@ on the instance's alignment `A` (the namespace's `kv-block-size`), that
 *every* group can serve (vLLM's `HybridKVCacheCoordinator`; the rules are
 in docs/hybrid-models.md).
 
-The index keeps an instance's primary group (group 0, full attention) in the
+The index keeps an instance's primary group (group 0, or no group, of a
+full-attention kind or none given: `FULL_KINDS`) in the
 namespace's block store like any dense instance, so that the walk over the
 owner bitmasks gives its full-attention prefix. Every other group of an
 owner is a `GroupState` here. Engine hashes name a prefix end position for
@@ -53,12 +54,6 @@ KNOWN_KINDS = FULL_KINDS | WINDOW_KINDS | STATE_KINDS | LOCAL_KINDS | UNCACHED_K
 MAX_WINDOW = 1 << 24
 _SUB_SEED = 0x6B76_6361_6368_6521
 _UNIT_SEED = 0x6B76_756E_6974_7321
-
-
-def is_primary(group_idx: int | None, kind: str | None) -> bool:
-    """Group 0 (or no group) of a full-attention kind (or none given): the
-    group the block store holds, as for every dense engine."""
-    return (group_idx is None or group_idx == 0) and (kind is None or kind in FULL_KINDS)
 
 
 def unit_seqs(seqs: Sequence[int], units: int) -> list[int]:

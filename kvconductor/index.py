@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 
 from kvconductor.cache_groups import (
+    FULL_KINDS,
     KNOWN_KINDS,
     MAX_WINDOW,
     UNCACHED_KINDS,
     WINDOW_KINDS,
-    is_primary,
 )
 from kvconductor.errors import RejectedEvent
 from kvconductor.events import (
@@ -193,13 +193,18 @@ class Index:
         counters = self.counters
         n = len(ev.block_hashes)
         group = ev.group_idx or 0
-        kind = self._group_kind(state, group, ev.spec_kind, n)
-        if kind == "":
-            return 0
+        kind = ev.spec_kind
+        known = state.groups.get(group)
+        if kind is None:
+            kind = known
+        elif kind != known:
+            kind = self._group_kind(state, group, kind, n)
+            if kind == "":
+                return 0
         if kind in UNCACHED_KINDS:
             counters["non_prefix_group_skipped"] += n
             return 0
-        primary = is_primary(group, kind)
+        primary = not group and (kind is None or kind in FULL_KINDS)
         size = ev.block_size
         if size is not None and size != meta.block_size and size % meta.block_size:
             # A smaller primary block is a partial-block key off the hit
@@ -270,21 +275,18 @@ class Index:
         self._gc(ns)
         return done
 
-    def _group_kind(self, state: InstanceState, group: int, kind: str | None, n: int) -> str | None:
-        """The group's kind: the store's, remembered for its removals;
-        "" when it contradicts what the group was (the event is skipped)."""
+    def _group_kind(self, state: InstanceState, group: int, kind: str, n: int) -> str:
+        """A store's kind that differs from what its group is known as:
+        remembered (for its removals) if the group is new, else "" (it
+        contradicts what the group was: the event is skipped)."""
         known = state.groups.get(group)
-        if kind is None:
-            return known
         if known is None:
             state.groups[group] = kind
             if kind not in KNOWN_KINDS:
                 self.counters["unknown_group_kind"] += 1
             return kind
-        if known != kind:
-            self.counters["group_kind_changed"] += max(n, 1)
-            return ""
-        return kind
+        self.counters["group_kind_changed"] += max(n, 1)
+        return ""
 
     def _engine_removed(
         self, instance: str, state: InstanceState, rank: int, meta: EngineMeta, ev: BlockRemoved
@@ -298,7 +300,7 @@ class Index:
         if tier is None:
             self.counters["unknown_medium"] += len(ev.block_hashes)
             return 0
-        primary = is_primary(group, kind)
+        primary = not group and (kind is None or kind in FULL_KINDS)
         if not primary and tier != DEVICE:
             self.counters["group_lower_tier_skipped"] += len(ev.block_hashes)
             return 0

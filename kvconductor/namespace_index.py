@@ -529,7 +529,9 @@ class NamespaceIndex:
         if size > self.block_size:
             units = size // self.block_size
             seqs, extra = unit_seqs(seqs, units), unit_extra(extra, units)
-        copies = self._copies(owner, tier, seqs, parent)
+        copies = 0
+        if self.store.count_new(owner.slot, tier, seqs) != len(seqs):
+            copies = self._copies(owner, tier, seqs, parent)
         if self.store.owner_size(owner.slot) >= self.max_blocks_per_owner:
             # A full owner's store is dropped whole, before any of it can wait
             # in the pending queue for a parent that was itself dropped.
@@ -556,8 +558,6 @@ class NamespaceIndex:
         other groups cut the hit short, so there they are copies."""
         store = self.store
         slot = owner.slot
-        if store.count_new(slot, tier, seqs) == len(seqs):
-            return 0
         held = [seq for seq in seqs if not store.count_new(slot, tier, (seq,))]
         if parent is None and len(held) == len(seqs) and not owner.groups:
             return 0
