@@ -627,11 +627,14 @@ class NamespaceIndex:
     def _remove_units(self, owner: Owner, tier: int, seqs: Sequence[int], units: int) -> None:
         """A removed block's units but its last (its own hash, removed by
         the caller); a smaller block (a partial store) has none."""
-        for unit in unit_seqs(seqs, units):
-            if unit in seqs:
-                continue
-            if not (owner.copies and self._drop_copy(owner, tier, unit)):
-                self.store.remove_owner(owner.slot, tier, [unit])
+        own = set(seqs)
+        rest = [
+            unit
+            for unit in unit_seqs(seqs, units)
+            if unit not in own and not (owner.copies and self._drop_copy(owner, tier, unit))
+        ]
+        if rest:
+            self.store.remove_owner(owner.slot, tier, rest)
 
     def _cancel_wait(self, seq: int, target: Target) -> bool:
         if not self.pending.discard((WAITING, seq, target)):
