@@ -13,11 +13,12 @@ daemon), so replaying the same records gives the same index.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from consumers.engine_wire import decode_engine_payload
 from consumers.pool_wire import decode_pool_payload
-from kvconductor.errors import InvalidHeader
+from kvconductor.errors import DecodeError, InvalidHeader
 from kvconductor.index import Index, IndexLimits
 from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceKey
@@ -30,6 +31,28 @@ class Applied(NamedTuple):
     blocks: int  # blocks placed, removed or cleared by the record
     seq_missing: int  # messages missing before this one by `kv-seq` (0: none)
     resync: bool = False  # a bridge's resync control record was applied
+
+
+class Incoming(NamedTuple):
+    """One Kafka record on its way in: `pool` for the pool topic's (and the
+    repartitioned pool records), else an engine record."""
+
+    pool: bool
+    key: bytes | str | None
+    headers: Headers
+    value: bytes | None
+    now: float  # the record's timestamp, in seconds
+
+
+class Notice(NamedTuple):
+    """A record of a batch the caller must hear of: it was not applied
+    (`error`), or it applied with something to say (`applied.seq_missing`,
+    `applied.resync`). `error` is a `BadRecord`, or any other exception the
+    core raised (a bug: the record is skipped all the same)."""
+
+    index: int  # position in the batch
+    applied: Applied | None
+    error: Exception | None
 
 
 def _key_text(key: bytes | str | None, what: str) -> str:
@@ -63,6 +86,24 @@ class Conductor:
         rank = batch.dp_rank if batch.dp_rank is not None else meta.dp_rank
         missing = self.index.check_seq(instance, rank, meta.seq)
         return Applied(blocks, missing)
+
+    def ingest(self, records: Sequence[Incoming]) -> list[Notice]:
+        """Apply records in order, each whole or not at all; returns the
+        notices, in order, of the records that were skipped or have
+        something to say (most records have none)."""
+        notices: list[Notice] = []
+        for i, rec in enumerate(records):
+            try:
+                if rec.value is None:
+                    raise DecodeError("record has no value")
+                ingest = self.ingest_pool_record if rec.pool else self.ingest_engine_record
+                applied = ingest(rec.key, rec.headers, rec.value, rec.now)
+            except Exception as exc:  # a core bug skips the record, never the batch
+                notices.append(Notice(i, None, exc))
+                continue
+            if applied.resync or applied.seq_missing:
+                notices.append(Notice(i, applied, None))
+        return notices
 
     def ingest_pool_record(
         self, key: bytes | str | None, headers: Headers, payload: bytes, now: float

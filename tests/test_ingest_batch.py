@@ -1,0 +1,63 @@
+"""`Conductor.ingest`: a batch of records applies as the same records one
+at a time, and says which records were skipped or had something to say."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from kvconductor.core import Conductor, Incoming
+from kvconductor.errors import BadRecord, DecodeError
+from kvconductor.snapshots import state_fingerprint
+
+FIXTURE = Path(__file__).parent / "fixtures" / "vllm-hybrid" / "records.jsonl"
+
+
+def _records() -> list[Incoming]:
+    out = []
+    for i, line in enumerate(FIXTURE.read_text().splitlines()):
+        row = json.loads(line)
+        headers = [(k, v.encode()) for k, v in row["headers"].items()]
+        value = base64.b64decode(row["value_b64"])
+        out.append(Incoming(False, row["key"].encode(), headers, value, 1000.0 + i))
+    return out
+
+
+def test_batch_equals_one_at_a_time() -> None:
+    records = _records()
+    one = Conductor()
+    for rec in records:
+        assert rec.value is not None
+        one.ingest_engine_record(rec.key, rec.headers, rec.value, rec.now)
+    batch = Conductor()
+    assert batch.ingest(records) == []
+    assert state_fingerprint(batch.index) == state_fingerprint(one.index)
+    assert batch.counters == one.counters
+
+
+def test_bad_records_are_noticed_and_skipped() -> None:
+    records = _records()[:20]
+    good = records[3]
+    bad = [
+        good._replace(value=None),
+        good._replace(value=b"\xc1 not msgpack"),
+        good._replace(headers=[("kv-model", b"m")]),
+        good._replace(key=None),
+    ]
+    batch = Conductor()
+    notices = batch.ingest(records[:5] + bad + records[5:])
+    assert [n.index for n in notices] == [5, 6, 7, 8]
+    assert all(isinstance(n.error, BadRecord) and n.applied is None for n in notices)
+    assert isinstance(notices[0].error, DecodeError)
+    clean = Conductor()
+    clean.ingest(records)
+    assert state_fingerprint(batch.index) == state_fingerprint(clean.index)
+
+
+def test_seq_gaps_are_noticed() -> None:
+    records = _records()
+    first = [r for r in records if r.key == b"hyb-d0"][:4]
+    notices = Conductor().ingest([first[0], first[3]])
+    assert len(notices) == 1 and notices[0].index == 1
+    assert notices[0].applied is not None and notices[0].applied.seq_missing == 2
