@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from consumers.engine_wire import decode_engine_payload
+from kvconductor.engine_lane import EngineLane
 from consumers.pool_wire import decode_pool_payload
 from kvconductor.errors import DecodeError, InvalidHeader
 from kvconductor.index import Index, IndexLimits
+from kvconductor.kernel import KERNEL
 from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceKey
 from kvconductor.pending import INTENT, UNRESOLVED, WAITING
@@ -67,12 +69,26 @@ def _key_text(key: bytes | str | None, what: str) -> str:
 
 
 class Conductor:
-    def __init__(self, limits: IndexLimits | None = None) -> None:
+    def __init__(self, limits: IndexLimits | None = None, lane: bool = True) -> None:
+        """`lane`: apply what the compiled kernel can of `ingest`'s batches
+        there (`engine_lane`; with the kernel built). Off, every record
+        takes the Python path, the reference the lane is held equal to."""
         self.index = Index(limits)
+        self.lane = EngineLane(self.index) if lane and KERNEL is not None else None
 
     # ------------------------------------------------------------ ingest
 
     def ingest_engine_record(
+        self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
+    ) -> Applied:
+        """One engine record, the Python way (`ingest` applies batches)."""
+        try:
+            return self._engine_record(key, headers, payload, now)
+        finally:
+            if self.lane is not None:
+                self.lane.forget(key)
+
+    def _engine_record(
         self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
     ) -> Applied:
         instance = _key_text(key, "instance")
@@ -92,18 +108,37 @@ class Conductor:
         notices, in order, of the records that were skipped or have
         something to say (most records have none)."""
         notices: list[Notice] = []
-        for i, rec in enumerate(records):
-            try:
-                if rec.value is None:
-                    raise DecodeError("record has no value")
-                ingest = self.ingest_pool_record if rec.pool else self.ingest_engine_record
-                applied = ingest(rec.key, rec.headers, rec.value, rec.now)
-            except Exception as exc:  # a core bug skips the record, never the batch
-                notices.append(Notice(i, None, exc))
-                continue
-            if applied.resync or applied.seq_missing:
-                notices.append(Notice(i, applied, None))
+        lane = self.lane
+        if lane is not None and not isinstance(records, list):
+            records = list(records)
+        i, n = 0, len(records)
+        while i < n:
+            if lane is not None:
+                stop = lane.run(records, i)
+                notices += [Notice(at, Applied(b, missing), None) for at, b, missing in stop.gaps]
+                if not stop.python:
+                    break
+                i = stop.at
+            rec = records[i]
+            notice = self._ingest_one(i, rec)
+            if notice is not None:
+                notices.append(notice)
+            if lane is not None and not rec.pool:
+                lane.forget(rec.key)
+            i += 1
         return notices
+
+    def _ingest_one(self, i: int, rec: Incoming) -> Notice | None:
+        try:
+            if rec.value is None:
+                raise DecodeError("record has no value")
+            ingest = self.ingest_pool_record if rec.pool else self._engine_record
+            applied = ingest(rec.key, rec.headers, rec.value, rec.now)
+        except Exception as exc:  # a core bug skips the record, never the batch
+            return Notice(i, None, exc)
+        if applied.resync or applied.seq_missing:
+            return Notice(i, applied, None)
+        return None
 
     def ingest_pool_record(
         self, key: bytes | str | None, headers: Headers, payload: bytes, now: float

@@ -66,6 +66,10 @@ class Index:
         self.applied: Counter[tuple[str, str]] = Counter()
         self.now = 0.0
         self.dirty = Dirty()
+        # Moves whenever instances or owners change other than by applying
+        # engine records (a resync, a removal, a snapshot loaded): the
+        # engine lane then looks its contexts up again (`engine_lane`).
+        self.epoch = 0
 
     # -------------------------------------------------------- namespaces
 
@@ -332,6 +336,7 @@ class Index:
         state = self.instances.get(instance)
         if state is None:
             return 0
+        self.epoch += 1
         self.dirty.instances.add(instance)
         cleared = 0
         for key in list(state.namespaces):
@@ -366,6 +371,7 @@ class Index:
         self.idle.pop(instance, None)
         if state is None:
             return False
+        self.epoch += 1
         self.dirty.instances.add(instance)
         for key in state.namespaces:
             ns = self.namespaces.get(key)

@@ -50,6 +50,12 @@ class PendingQueue:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def entries(self) -> OrderedDict[PendingKey, float]:
+        """The keys and their arrival times, oldest first: read only (the
+        engine lane checks the queue is empty with no Python call)."""
+        return self._entries
+
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 

@@ -440,6 +440,7 @@ def restore(
     With `keep`, only the namespaces it accepts (and instances living in
     them) are loaded: a scale-out daemon takes the units of the partitions
     it was assigned, and the index may already hold other namespaces."""
+    index.epoch += 1
     by_ns: dict[NamespaceKey, list[tuple[UnitKey, Unit]]] = {}
     restored_instances: set[str] = set()
     for key, unit in units.items():
@@ -486,6 +487,7 @@ def restore(
 def drop_namespaces(index: Index, drop: Callable[[NamespaceKey], bool]) -> None:
     """Forget namespaces handed over to another daemon, without tombstones:
     their units stay on the snapshot topic for the new owner."""
+    index.epoch += 1
     for ns_key in [k for k in index.namespaces if drop(k)]:
         del index.namespaces[ns_key]
     dirty = index.dirty
@@ -604,6 +606,7 @@ def apply_units(index: Index, changes: dict[UnitKey, Unit | None]) -> None:
     releases of the old blocks from lingering as retired content). The
     pending and retired bounds are lifted meanwhile, so a transient release
     never evicts anything."""
+    index.epoch += 1
     by_ns: dict[NamespaceKey, list[tuple[UnitKey, Unit | None]]] = {}
     for key, unit in changes.items():
         kind = key[0]

@@ -7,6 +7,8 @@
 //! tests/test_block_store.py).
 
 mod count_map;
+mod engine_wire;
+mod lane;
 mod query_json;
 mod shape;
 mod sharded;
@@ -175,6 +177,7 @@ fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     small_int::init(m.py())?;
     m.add_class::<store::BlockStore>()?;
     m.add_class::<shape::AnswerShape>()?;
+    m.add_class::<lane::EngineLane>()?;
     m.add_function(wrap_pyfunction!(chain_identities, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;

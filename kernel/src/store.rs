@@ -844,6 +844,68 @@ impl Word<'_> {
     }
 }
 
+/// What the engine lane (`lane.rs`) does to an owner's tier: the same
+/// operations as `place_owner` and `remove_owner`, without Python values.
+impl BlockStore {
+    pub(crate) fn now(&self) -> f64 {
+        self.cat.now
+    }
+
+    /// `NamespaceIndex.touch` then `expire`, as a store's namespace is
+    /// fetched before each store event (`touch` moves the clock forward only).
+    pub(crate) fn touch_expire(&mut self, now: f64) {
+        if now > self.cat.now {
+            self.cat.now = now;
+        }
+        let now = self.cat.now;
+        self.cat.expire(now);
+    }
+
+    pub(crate) fn content(&self, seq: u64) -> Option<u64> {
+        self.cat.ident(seq)
+    }
+
+    /// Whether some tier or pool holds `seq` (held content is never
+    /// expired or evicted, unlike retired content).
+    pub(crate) fn is_held(&self, seq: u64) -> bool {
+        self.cat.map.get(&seq).is_some_and(|b| b.refs > 0)
+    }
+
+    pub(crate) fn holds(&self, slot: usize, tier: usize, seq: u64) -> bool {
+        self.owners.get(&slot).is_some_and(|o| o.tiers[tier].contains(&seq))
+    }
+
+    pub(crate) fn size_of(&self, slot: usize) -> Option<usize> {
+        self.owners.get(&slot).map(|o| o.tiers.iter().map(HashSet::len).sum())
+    }
+
+    /// (placed, hash conflicts); `room` as `place_owner`'s.
+    pub(crate) fn place_known(
+        &mut self,
+        slot: usize,
+        tier: usize,
+        seqs: &[u64],
+        idents: &[u64],
+        room: i64,
+    ) -> PyResult<(usize, usize)> {
+        let (cat, mut h) = self.owner_tier(slot, tier)?;
+        let (placed, _, conflicts, _) = place(cat, &mut h, seqs, Some(idents), room)?;
+        Ok((placed, conflicts))
+    }
+
+    /// The hashes of `seqs` the tier did not hold.
+    pub(crate) fn unplace_all(&mut self, slot: usize, tier: usize, seqs: &[u64]) -> PyResult<usize> {
+        let (cat, mut h) = self.owner_tier(slot, tier)?;
+        let mut missing = 0;
+        for &seq in seqs {
+            if !unplace(cat, &mut h, seq)? {
+                missing += 1;
+            }
+        }
+        Ok(missing)
+    }
+}
+
 #[pymethods]
 impl BlockStore {
     #[new]

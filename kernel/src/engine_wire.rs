@@ -1,0 +1,561 @@
+//! The engine payloads that real engines send (contract section 2), read
+//! without Python: `[ts, [events], dp_rank]` with tagged map or array
+//! `BlockStored` / `BlockRemoved` events, int hashes, token ids as ints.
+//!
+//! `consumers/engine_wire.py` stays the decoder of record: `decode` returns
+//! None for anything outside this subset (other envelopes, digest hashes,
+//! `AllBlocksCleared`, SGLang's salts and bigram tokens, a duplicate key,
+//! trailing bytes, and every malformed payload), and the record then goes
+//! through the Python decoder, which alone names errors. What `decode`
+//! accepts it must read exactly as the Python decoder does
+//! (tests/test_engine_lane.py compares them on every fixture and on
+//! generated payloads).
+
+/// Names longer than this (bytes) are left to the Python decoder, which
+/// bounds them in characters (`records.MAX_NAME`).
+const MAX_NAME: usize = 1024;
+/// `engine_wire.MAX_GROUP_IDX`.
+const MAX_GROUP_IDX: i128 = 1 << 16;
+/// Nesting that `skip` follows; deeper values go to the Python decoder.
+const MAX_DEPTH: u32 = 32;
+
+pub struct Batch<'a> {
+    pub dp_rank: Option<u64>,
+    pub events: Vec<Event<'a>>,
+}
+
+pub enum Event<'a> {
+    Stored(Stored<'a>),
+    Removed(Removed<'a>),
+}
+
+/// `extra_keys` as far as the index tells them apart.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Extra {
+    /// Absent or nil.
+    None,
+    /// A list of this many entries, each nil or empty (vLLM's plain text).
+    Plain(usize),
+    /// Some entry is a key the Python decoder fingerprints.
+    Keyed,
+}
+
+pub struct Stored<'a> {
+    pub hashes: Vec<u64>,
+    pub parent: Option<u64>,
+    /// Little-endian u32 token ids; None when absent, nil or empty.
+    pub tokens: Option<Vec<u8>>,
+    pub block_size: Option<i128>,
+    pub lora_id: Option<i128>,
+    pub medium: Option<&'a str>,
+    pub lora_name: Option<&'a str>,
+    pub extra: Extra,
+    pub group_idx: Option<u32>,
+    pub kind: Option<&'a str>,
+}
+
+pub struct Removed<'a> {
+    pub hashes: Vec<u64>,
+    pub medium: Option<&'a str>,
+    pub group_idx: Option<u32>,
+}
+
+struct Rd<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Rd<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.b.first().copied()
+    }
+
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if n > self.b.len() {
+            return None;
+        }
+        let (head, rest) = self.b.split_at(n);
+        self.b = rest;
+        Some(head)
+    }
+
+    fn byte(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+
+    fn be(&mut self, n: usize) -> Option<u64> {
+        Some(self.take(n)?.iter().fold(0u64, |v, &x| v << 8 | u64::from(x)))
+    }
+
+    /// A length that each following element needs a byte of at least.
+    fn bounded(&self, n: u64) -> Option<usize> {
+        usize::try_from(n).ok().filter(|&n| n <= self.b.len())
+    }
+
+    fn nil(&mut self) -> bool {
+        if self.peek() == Some(0xc0) {
+            self.b = &self.b[1..];
+            return true;
+        }
+        false
+    }
+
+    fn array_len(&mut self) -> Option<usize> {
+        let n = match self.byte()? {
+            m @ 0x90..=0x9f => u64::from(m & 0x0f),
+            0xdc => self.be(2)?,
+            0xdd => self.be(4)?,
+            _ => return None,
+        };
+        self.bounded(n)
+    }
+
+    fn map_len(&mut self) -> Option<usize> {
+        let n = match self.byte()? {
+            m @ 0x80..=0x8f => u64::from(m & 0x0f),
+            0xde => self.be(2)?,
+            0xdf => self.be(4)?,
+            _ => return None,
+        };
+        // A key and a value each.
+        self.bounded(n.checked_mul(2)?).map(|_| n as usize)
+    }
+
+    fn int(&mut self) -> Option<i128> {
+        let m = self.byte()?;
+        Some(match m {
+            0x00..=0x7f => i128::from(m),
+            0xe0..=0xff => i128::from(m as i8),
+            0xcc => i128::from(self.be(1)?),
+            0xcd => i128::from(self.be(2)?),
+            0xce => i128::from(self.be(4)?),
+            0xcf => i128::from(self.be(8)?),
+            0xd0 => i128::from(self.be(1)? as u8 as i8),
+            0xd1 => i128::from(self.be(2)? as u16 as i16),
+            0xd2 => i128::from(self.be(4)? as u32 as i32),
+            0xd3 => i128::from(self.be(8)? as i64),
+            _ => return None,
+        })
+    }
+
+    fn str(&mut self) -> Option<&'a str> {
+        let n = match self.byte()? {
+            m @ 0xa0..=0xbf => u64::from(m & 0x1f),
+            0xd9 => self.be(1)?,
+            0xda => self.be(2)?,
+            0xdb => self.be(4)?,
+            _ => return None,
+        };
+        std::str::from_utf8(self.take(usize::try_from(n).ok()?)?).ok()
+    }
+
+    fn float(&mut self) -> Option<f64> {
+        match self.byte()? {
+            0xca => Some(f64::from(f32::from_bits(self.be(4)? as u32))),
+            0xcb => Some(f64::from_bits(self.be(8)?)),
+            _ => None,
+        }
+    }
+
+    /// Past one value of any type.
+    fn skip(&mut self, depth: u32) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        let m = self.byte()?;
+        let (len, items) = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (0, 2 * u64::from(m & 0x0f)),
+            0x90..=0x9f => (0, u64::from(m & 0x0f)),
+            0xa0..=0xbf => (u64::from(m & 0x1f), 0),
+            0xcc | 0xd0 => (1, 0),
+            0xcd | 0xd1 => (2, 0),
+            0xce | 0xd2 | 0xca => (4, 0),
+            0xcf | 0xd3 | 0xcb => (8, 0),
+            0xc4 | 0xd9 => (self.be(1)?, 0),
+            0xc5 | 0xda => (self.be(2)?, 0),
+            0xc6 | 0xdb => (self.be(4)?, 0),
+            0xd4 => (2, 0),
+            0xd5 => (3, 0),
+            0xd6 => (5, 0),
+            0xd7 => (9, 0),
+            0xd8 => (17, 0),
+            0xc7 => (self.be(1)? + 1, 0),
+            0xc8 => (self.be(2)? + 1, 0),
+            0xc9 => (self.be(4)? + 1, 0),
+            0xdc => (0, self.be(2)?),
+            0xdd => (0, self.be(4)?),
+            0xde => (0, 2 * self.be(2)?),
+            0xdf => (0, 2 * self.be(4)?),
+            _ => return None, // 0xc1: never used
+        };
+        self.take(usize::try_from(len).ok()?)?;
+        for _ in 0..self.bounded(items)? {
+            self.skip(depth + 1)?;
+        }
+        Some(())
+    }
+
+    fn opt<T>(&mut self, read: impl FnOnce(&mut Self) -> Option<T>) -> Option<Option<T>> {
+        if self.nil() {
+            return Some(None);
+        }
+        read(self).map(Some)
+    }
+
+    /// A block hash: an int of either sign, as an unsigned u64 (digests are
+    /// the Python decoder's).
+    fn hash(&mut self) -> Option<u64> {
+        let v = self.int()?;
+        if v < 0 {
+            return Some(v as i64 as u64);
+        }
+        u64::try_from(v).ok()
+    }
+
+    fn hashes(&mut self) -> Option<Vec<u64>> {
+        let n = self.array_len()?;
+        (0..n).map(|_| self.hash()).collect()
+    }
+
+    fn name(&mut self) -> Option<Option<&'a str>> {
+        self.opt(|r| r.str().filter(|s| s.len() <= MAX_NAME))
+    }
+
+    /// `engine_wire._tokens`: an array of ids in [0, 2**32) packed, nil or
+    /// empty as none; anything else (SGLang's bigram pairs, bad ids) is the
+    /// Python decoder's.
+    fn tokens(&mut self) -> Option<Option<Vec<u8>>> {
+        if self.nil() {
+            return Some(None);
+        }
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n * 4);
+        for _ in 0..n {
+            let t = u32::try_from(self.int()?).ok()?;
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+        Some(if out.is_empty() { None } else { Some(out) })
+    }
+
+    fn extra(&mut self) -> Option<Extra> {
+        if self.nil() {
+            return Some(Extra::None);
+        }
+        let n = self.array_len()?;
+        let mut plain = true;
+        for _ in 0..n {
+            match self.peek()? {
+                0xc0 => self.b = &self.b[1..],
+                0x90 => self.b = &self.b[1..], // an empty array
+                _ => {
+                    plain = false;
+                    self.skip(1)?;
+                }
+            }
+        }
+        Some(if plain { Extra::Plain(n) } else { Extra::Keyed })
+    }
+
+    fn group_idx(&mut self) -> Option<Option<u32>> {
+        self.opt(|r| r.int().filter(|g| (0..=MAX_GROUP_IDX).contains(g)).map(|g| g as u32))
+    }
+
+    /// A `str | None` field the index does not keep.
+    fn ignored_str(&mut self) -> Option<()> {
+        self.opt(Self::str).map(drop)
+    }
+}
+
+fn new_stored<'a>() -> Stored<'a> {
+    Stored {
+        hashes: Vec::new(),
+        parent: None,
+        tokens: None,
+        block_size: None,
+        lora_id: None,
+        medium: None,
+        lora_name: None,
+        extra: Extra::None,
+        group_idx: None,
+        kind: None,
+    }
+}
+
+/// One `BlockStored` field, by its map key or array position's name.
+fn stored_field<'a>(rd: &mut Rd<'a>, ev: &mut Stored<'a>, key: &[u8]) -> Option<()> {
+    match key {
+        b"block_hashes" => ev.hashes = rd.hashes()?,
+        b"parent_block_hash" => ev.parent = rd.opt(Rd::hash)?,
+        b"token_ids" => ev.tokens = rd.tokens()?,
+        b"block_size" => ev.block_size = rd.opt(Rd::int)?,
+        b"lora_id" => ev.lora_id = rd.opt(Rd::int)?,
+        b"medium" => ev.medium = rd.name()?,
+        b"lora_name" => ev.lora_name = rd.name()?,
+        b"extra_keys" => ev.extra = rd.extra()?,
+        b"group_idx" => ev.group_idx = rd.group_idx()?,
+        b"kv_cache_spec_kind" => ev.kind = rd.opt(Rd::str)?,
+        b"kv_cache_spec_sliding_window" => drop(rd.opt(Rd::int)?),
+        b"locality" | b"ownership" | b"session_id" => rd.ignored_str()?,
+        // A salt or SGLang's metadata changes the blocks' keys: Python's.
+        b"cache_salt" | b"metadata" => {
+            if !rd.nil() {
+                return None;
+            }
+        }
+        _ => rd.skip(1)?,
+    }
+    Some(())
+}
+
+fn removed_field<'a>(rd: &mut Rd<'a>, ev: &mut Removed<'a>, key: &[u8]) -> Option<()> {
+    match key {
+        b"block_hashes" => ev.hashes = rd.hashes()?,
+        b"medium" => ev.medium = rd.name()?,
+        b"group_idx" => ev.group_idx = rd.group_idx()?,
+        b"locality" | b"ownership" => rd.ignored_str()?,
+        _ => rd.skip(1)?,
+    }
+    Some(())
+}
+
+/// Known keys of a map event, each once (a repeated key is the Python decoder's).
+fn once(seen: &mut u32, key: &[u8], known: &[&[u8]]) -> Option<()> {
+    if let Some(i) = known.iter().position(|k| *k == key) {
+        let bit = 1u32 << i;
+        if *seen & bit != 0 {
+            return None;
+        }
+        *seen |= bit;
+    }
+    Some(())
+}
+
+const STORED_KEYS: &[&[u8]] = &[
+    b"block_hashes",
+    b"parent_block_hash",
+    b"token_ids",
+    b"block_size",
+    b"lora_id",
+    b"medium",
+    b"lora_name",
+    b"extra_keys",
+    b"group_idx",
+    b"kv_cache_spec_kind",
+    b"kv_cache_spec_sliding_window",
+    b"locality",
+    b"ownership",
+    b"session_id",
+    b"cache_salt",
+    b"metadata",
+    b"type",
+];
+const REMOVED_KEYS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx", b"locality", b"ownership", b"type"];
+/// Array-form positions after the tag (`engine_wire.ARRAY_FIELDS`).
+const STORED_POSITIONS: &[&[u8]] = &[
+    b"block_hashes",
+    b"parent_block_hash",
+    b"token_ids",
+    b"block_size",
+    b"lora_id",
+    b"medium",
+    b"lora_name",
+    b"extra_keys",
+    b"group_idx",
+    b"kv_cache_spec_kind",
+    b"kv_cache_spec_sliding_window",
+];
+const REMOVED_POSITIONS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx"];
+
+fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
+    let n = rd.map_len()?;
+    // The tag first: how every engine writes it.
+    if n == 0 || rd.str()? != "type" {
+        return None;
+    }
+    let tag = rd.str()?;
+    let mut seen = 0u32;
+    let mut has_hashes = false;
+    let event = match tag {
+        "BlockStored" => {
+            let mut ev = new_stored();
+            for _ in 1..n {
+                let key = rd.str()?.as_bytes();
+                once(&mut seen, key, STORED_KEYS)?;
+                has_hashes |= key == b"block_hashes";
+                stored_field(rd, &mut ev, key)?;
+            }
+            Event::Stored(ev)
+        }
+        "BlockRemoved" => {
+            let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
+            for _ in 1..n {
+                let key = rd.str()?.as_bytes();
+                once(&mut seen, key, REMOVED_KEYS)?;
+                has_hashes |= key == b"block_hashes";
+                removed_field(rd, &mut ev, key)?;
+            }
+            Event::Removed(ev)
+        }
+        _ => return None,
+    };
+    has_hashes.then_some(event)
+}
+
+fn array_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
+    let n = rd.array_len()?;
+    if n < 2 {
+        return None; // no hashes, or AllBlocksCleared
+    }
+    match rd.str()? {
+        "BlockStored" if n <= 1 + STORED_POSITIONS.len() => {
+            let mut ev = new_stored();
+            for key in &STORED_POSITIONS[..n - 1] {
+                // Index 7 may be SGLang's metadata map: the Python decoder's.
+                stored_field(rd, &mut ev, key)?;
+            }
+            Some(Event::Stored(ev))
+        }
+        "BlockRemoved" if n <= 1 + REMOVED_POSITIONS.len() => {
+            let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
+            for key in &REMOVED_POSITIONS[..n - 1] {
+                removed_field(rd, &mut ev, key)?;
+            }
+            Some(Event::Removed(ev))
+        }
+        _ => None,
+    }
+}
+
+/// The payload, when it is in the subset this module reads (see the module doc).
+pub fn decode(payload: &[u8]) -> Option<Batch<'_>> {
+    let mut rd = Rd { b: payload };
+    let len = rd.array_len()?;
+    if !(2..=3).contains(&len) {
+        return None;
+    }
+    rd.float()?;
+    let n = rd.array_len()?;
+    let mut events = Vec::with_capacity(n);
+    for _ in 0..n {
+        let event = match rd.peek()? {
+            0x80..=0x8f | 0xde | 0xdf => map_event(&mut rd)?,
+            0x90..=0x9f | 0xdc | 0xdd => array_event(&mut rd)?,
+            _ => return None,
+        };
+        events.push(event);
+    }
+    let dp_rank = if len == 3 { rd.opt(|r| u64::try_from(r.int()?).ok())? } else { None };
+    rd.b.is_empty().then_some(Batch { dp_rank, events })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn str_(out: &mut Vec<u8>, s: &str) {
+        assert!(s.len() < 32);
+        out.push(0xa0 | s.len() as u8);
+        out.extend_from_slice(s.as_bytes());
+    }
+
+    fn stored_map(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
+        let mut e = vec![0x84];
+        str_(&mut e, "type");
+        str_(&mut e, "BlockStored");
+        str_(&mut e, "block_hashes");
+        e.push(0x90 | hashes.len() as u8);
+        for &h in hashes {
+            e.push(0xcf);
+            e.extend_from_slice(&h.to_be_bytes());
+        }
+        str_(&mut e, "parent_block_hash");
+        match parent {
+            None => e.push(0xc0),
+            Some(p) => {
+                e.push(0xcf);
+                e.extend_from_slice(&p.to_be_bytes());
+            }
+        }
+        str_(&mut e, "token_ids");
+        e.push(0xdc);
+        e.extend_from_slice(&(tokens.len() as u16).to_be_bytes());
+        for &t in tokens {
+            e.push(0xce);
+            e.extend_from_slice(&t.to_be_bytes());
+        }
+        e
+    }
+
+    fn batch(events: &[Vec<u8>], rank: Option<u8>) -> Vec<u8> {
+        let mut b = vec![if rank.is_some() { 0x93 } else { 0x92 }, 0xcb];
+        b.extend_from_slice(&1.5f64.to_bits().to_be_bytes());
+        b.push(0x90 | events.len() as u8);
+        for e in events {
+            b.extend_from_slice(e);
+        }
+        if let Some(r) = rank {
+            b.push(r);
+        }
+        b
+    }
+
+    #[test]
+    fn reads_a_map_form_store() {
+        let p = batch(&[stored_map(&[7, u64::MAX], Some(3), &[1, 2, 70000, 4])], Some(2));
+        let b = decode(&p).expect("in the subset");
+        assert_eq!(b.dp_rank, Some(2));
+        let Event::Stored(s) = &b.events[0] else { panic!("a store") };
+        assert_eq!(s.hashes, vec![7, u64::MAX]);
+        assert_eq!(s.parent, Some(3));
+        let t = s.tokens.as_ref().expect("tokens");
+        assert_eq!(t.len(), 16);
+        assert_eq!(&t[8..12], &70000u32.to_le_bytes());
+    }
+
+    #[test]
+    fn leaves_the_rest_to_python() {
+        let good = batch(&[stored_map(&[7], None, &[1])], None);
+        assert!(decode(&good).is_some());
+        let mut trailing = good.clone();
+        trailing.push(0xc0);
+        assert!(decode(&trailing).is_none());
+        assert!(decode(&good[..good.len() - 1]).is_none());
+        // A repeated key.
+        let mut e = stored_map(&[7], None, &[1]);
+        e[0] = 0x85;
+        str_(&mut e, "parent_block_hash");
+        e.push(0xc0);
+        assert!(decode(&batch(&[e], None)).is_none());
+        // An int ts, a negative rank, AllBlocksCleared.
+        let mut int_ts = good.clone();
+        int_ts[1] = 0x01;
+        int_ts.drain(2..10);
+        assert!(decode(&int_ts).is_none());
+        let mut neg = batch(&[stored_map(&[7], None, &[1])], Some(0));
+        *neg.last_mut().unwrap() = 0xff;
+        assert!(decode(&neg).is_none());
+        let mut cleared = vec![0x91];
+        str_(&mut cleared, "AllBlocksCleared");
+        assert!(decode(&batch(&[cleared], None)).is_none());
+    }
+
+    #[test]
+    fn reads_negative_hashes_as_unsigned() {
+        let mut e = vec![0x92];
+        str_(&mut e, "BlockRemoved");
+        e.extend_from_slice(&[0x92, 0xff, 0xd3]);
+        e.extend_from_slice(&(-2i64).to_be_bytes());
+        let b = decode(&batch(&[e], None)).expect("in the subset");
+        let Event::Removed(r) = &b.events[0] else { panic!("a removal") };
+        assert_eq!(r.hashes, vec![u64::MAX, u64::MAX - 1]);
+    }
+
+    #[test]
+    fn skips_nested_unknown_values() {
+        let mut e = stored_map(&[7], None, &[1]);
+        e[0] = 0x85;
+        str_(&mut e, "future");
+        e.extend_from_slice(&[0x82, 0xa1, b'a', 0x91, 0xc3, 0xa1, b'b', 0xc7, 0x01, 0x05, 0x00]);
+        assert!(decode(&batch(&[e], None)).is_some());
+    }
+}

@@ -1,0 +1,599 @@
+//! The engine lane: a batch of Kafka records applied straight to the
+//! namespaces' block stores, with no Python per record or event, for the
+//! records real engines send most (see `kvconductor/engine_lane.py`, which
+//! drives it, and docs/index-design.md "The engine lane").
+//!
+//! `run` takes records in order and stops at the first one it cannot apply
+//! exactly as the Python path would (`Index.apply_engine`): a payload
+//! outside `engine_wire`'s subset, a record whose instance, namespace or
+//! owner has no context yet (`NEED_CONTEXT`: the caller builds one or
+//! applies the record itself), or any event that would need the Python
+//! path's rules (copies, pending halves, groups, a new or emptied owner,
+//! capacity, an unknown medium, a parent the store does not hold...).
+//! Each record is checked whole before any of it is applied, so a record
+//! the lane stops at is untouched and the caller applies it the Python way.
+//!
+//! A context holds what the Python path would look up for each record of
+//! one instance, header set and rank: the owner's slot in its namespace's
+//! store, and the facts that make the lane exact for it (no copies, no
+//! groups, one namespace, the primary block size). They stay true while
+//! only the lane applies that instance's records; the caller forgets an
+//! instance's contexts whenever it applies one of its records itself, and
+//! all of them when the index changes another way. The namespace's pending
+//! queue is read live: the lane never adds to it, everything else may.
+
+use hashbrown::HashMap;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::engine_wire::{self, Event, Extra, Stored};
+use crate::store::BlockStore;
+
+const DEVICE: usize = 0;
+const TIERS: usize = 3;
+
+/// Why `run` stopped: every record applied, record `stop` needs a context,
+/// or record `stop` is the Python path's.
+const DONE: u8 = 0;
+const NEED_CONTEXT: u8 = 1;
+const PYTHON: u8 = 2;
+
+/// Mediums whose tier is remembered (as `media.engine_tier` caches them).
+const MAX_MEDIUMS: usize = 256;
+
+struct Ctx {
+    id: usize,
+    sig: Vec<u8>,
+    store: Py<BlockStore>,
+    /// The namespace's pending entries (`PendingQueue._entries`).
+    pending: Py<PyDict>,
+    slot: usize,
+    block_size: usize,
+    seed: u64,
+    max_blocks: usize,
+    pool_mode: bool,
+    kind0: Option<String>,
+    rank: u32,
+    applied: [u64; TIERS],
+    /// Tiers stored to since the last `run` returned, a bit each.
+    stored: u8,
+    touched: bool,
+}
+
+struct Inst {
+    name: Py<PyString>,
+    ctxs: Vec<usize>,
+    last_ts: f64,
+    touched: bool,
+    /// Rank -> (last `kv-seq`, changed since the last `run` returned).
+    seqs: HashMap<u32, (Option<u64>, bool)>,
+}
+
+/// Counters the lane moves, in `COUNTER_NAMES` order.
+const HASH_CONFLICTS: usize = 0;
+const REMOVAL_UNKNOWN: usize = 1;
+const SEQ_GAPS: usize = 2;
+const SEQ_MISSING: usize = 3;
+const SEQ_REGRESSIONS: usize = 4;
+const COUNTER_NAMES: [&str; 5] =
+    ["hash_conflicts", "removal_unknown", "seq_gaps", "seq_missing", "seq_regressions"];
+
+/// One record, as read from its `core.Incoming`.
+struct Rec<'a> {
+    key: &'a [u8],
+    seq: Option<u64>,
+    now: f64,
+    payload: &'a [u8],
+}
+
+type CtxOut = (usize, [u64; TIERS], u8, f64);
+type InstOut = (Py<PyString>, f64, Vec<(u32, u64)>);
+type RunOut = (usize, u8, Option<u64>, f64, Vec<(&'static str, u64)>, Vec<(usize, usize, u64)>, Vec<CtxOut>, Vec<InstOut>);
+
+#[pyclass(module = "kvconductor._kernel")]
+pub struct EngineLane {
+    full_kinds: Vec<String>,
+    engine_tier: Py<PyAny>,
+    mediums: HashMap<Option<String>, Option<usize>>,
+    by_sig: HashMap<Vec<u8>, usize>,
+    ctxs: Vec<Option<Ctx>>,
+    free: Vec<usize>,
+    insts: HashMap<Vec<u8>, Inst>,
+    /// The signature and instance of the record `run` last stopped at for a context.
+    miss: Option<(Vec<u8>, Vec<u8>)>,
+    sig: Vec<u8>,
+    held: HashMap<(usize, u64), bool>,
+    last: HashMap<u64, bool>,
+    touched: Vec<usize>,
+    counters: [u64; 5],
+    gaps: Vec<(usize, usize, u64)>,
+}
+
+/// `records._int` for `kv-seq`, on the values engines write: ASCII digits.
+/// Anything else (signs, spaces, underscores, out of range) is the
+/// Python path's, which accepts or names it.
+fn seq_value(raw: &[u8]) -> Option<Option<u64>> {
+    if raw.is_empty() {
+        return Some(None);
+    }
+    if raw.len() > 20 || !raw.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(raw).ok()?.parse::<u64>().ok().map(Some)
+}
+
+fn push_field(sig: &mut Vec<u8>, field: Option<&[u8]>) {
+    match field {
+        Some(f) => {
+            sig.extend_from_slice(&(f.len() as u32).to_le_bytes());
+            sig.extend_from_slice(f);
+        }
+        None => sig.extend_from_slice(&u32::MAX.to_le_bytes()),
+    }
+}
+
+/// Reads record `item` into `rec` and its signature (key, the `kv-*`
+/// headers but `kv-seq`, in order) into `sig`; None: the Python path's.
+fn read_record<'a>(item: &'a Bound<'_, PyAny>, sig: &mut Vec<u8>) -> PyResult<Option<Rec<'a>>> {
+    let Ok(t) = item.cast::<PyTuple>() else { return Ok(None) };
+    if t.len() != 5 || t.get_borrowed_item(0)?.is_truthy()? {
+        return Ok(None); // a pool record
+    }
+    let (key, headers, value) = (t.get_borrowed_item(1)?, t.get_borrowed_item(2)?, t.get_borrowed_item(3)?);
+    let (Ok(key), Ok(value)) = (key.cast::<PyBytes>(), value.cast::<PyBytes>()) else { return Ok(None) };
+    let Ok(now) = t.get_borrowed_item(4)?.extract::<f64>() else { return Ok(None) };
+    // SAFETY: bytes objects are immutable and the tuple keeps them alive
+    // for as long as `item` is borrowed.
+    let key: &'a [u8] = unsafe { std::slice::from_raw_parts(key.as_bytes().as_ptr(), key.as_bytes().len()) };
+    let payload: &'a [u8] =
+        unsafe { std::slice::from_raw_parts(value.as_bytes().as_ptr(), value.as_bytes().len()) };
+    if std::str::from_utf8(key).is_err() {
+        return Ok(None);
+    }
+    sig.clear();
+    push_field(sig, Some(key));
+    let mut seq = None;
+    let Ok(headers) = headers.try_iter() else { return Ok(None) };
+    for header in headers {
+        let header = header?;
+        let Ok(pair) = header.cast::<PyTuple>() else { return Ok(None) };
+        if pair.len() != 2 {
+            return Ok(None);
+        }
+        let name = pair.get_borrowed_item(0)?;
+        let Ok(name) = name.cast::<PyString>() else { return Ok(None) };
+        let Ok(name) = name.to_str() else { return Ok(None) };
+        if !name.starts_with("kv-") {
+            continue;
+        }
+        let value = pair.get_borrowed_item(1)?;
+        let bytes = value.cast::<PyBytes>().ok();
+        let raw: Option<&[u8]> = match &bytes {
+            Some(b) => Some(b.as_bytes()),
+            None if value.is_none() => None,
+            None => return Ok(None),
+        };
+        if name == "kv-seq" {
+            match seq_value(raw.unwrap_or_default()) {
+                Some(v) => seq = v,
+                None => return Ok(None),
+            }
+            continue;
+        }
+        push_field(sig, Some(name.as_bytes()));
+        push_field(sig, raw);
+    }
+    Ok(Some(Rec { key, seq, now, payload }))
+}
+
+/// What a record would do to an owner's tiers, checked before any of it
+/// is applied: None as soon as an event needs the Python path.
+struct Check<'s> {
+    st: &'s BlockStore,
+    ctx: &'s Ctx,
+    held: &'s mut HashMap<(usize, u64), bool>,
+    /// Hashes stored (true) or removed (false) by the record so far, in any tier.
+    last: &'s mut HashMap<u64, bool>,
+    size: usize,
+}
+
+impl Check<'_> {
+    fn holds(&self, tier: usize, seq: u64) -> bool {
+        self.held.get(&(tier, seq)).copied().unwrap_or_else(|| self.st.holds(self.ctx.slot, tier, seq))
+    }
+
+    fn stored(&mut self, ev: &Stored<'_>, tier: usize) -> Option<()> {
+        let ctx = self.ctx;
+        let n = ev.hashes.len();
+        let size_ok = match ev.block_size {
+            None | Some(0) => true,
+            Some(s) => s == ctx.block_size as i128,
+        };
+        let kind_ok = ev.kind.is_none() || ev.kind == ctx.kind0.as_deref();
+        let plain = match ev.extra {
+            Extra::None => true,
+            Extra::Plain(k) => k == n,
+            Extra::Keyed => false,
+        };
+        let tokens = ev.tokens.as_ref()?;
+        if n == 0
+            || ev.group_idx.unwrap_or(0) != 0
+            || !kind_ok
+            || !size_ok
+            || ev.lora_id.is_some()
+            || ev.lora_name.is_some_and(|l| !l.is_empty())
+            || !plain
+            || (ctx.pool_mode && tier != DEVICE)
+            || tokens.len() < n * ctx.block_size * 4
+            || self.size + n > ctx.max_blocks
+        {
+            return None;
+        }
+        if let Some(p) = ev.parent {
+            // Held content is never expired or evicted before the store reads it.
+            let ok = match self.last.get(&p) {
+                Some(&stored) => stored,
+                None => self.st.is_held(p),
+            };
+            if !ok {
+                return None;
+            }
+        }
+        let held = ev.hashes.iter().filter(|&&h| self.holds(tier, h)).count();
+        if held == n && ev.parent.is_none() {
+            // A re-announcement (`NamespaceIndex._copies`): nothing changes.
+            return Some(());
+        }
+        if held != 0 {
+            return None; // copies: the Python path's
+        }
+        for &h in &ev.hashes {
+            if self.held.insert((tier, h), true) != Some(true) {
+                self.size += 1;
+            }
+            self.last.insert(h, true);
+        }
+        Some(())
+    }
+
+    fn removed(&mut self, hashes: &[u64], group_idx: Option<u32>, tier: usize) -> Option<()> {
+        if group_idx.unwrap_or(0) != 0 || (self.ctx.pool_mode && tier != DEVICE) {
+            return None;
+        }
+        for &h in hashes {
+            if self.holds(tier, h) {
+                self.held.insert((tier, h), false);
+                self.size -= 1;
+                self.last.insert(h, false);
+            }
+        }
+        // An emptied owner leaves its namespace: the Python path's.
+        (self.size > 0).then_some(())
+    }
+}
+
+impl EngineLane {
+    fn tier(&mut self, py: Python<'_>, medium: Option<&str>) -> PyResult<Option<usize>> {
+        let key = medium.map(str::to_owned);
+        if let Some(&t) = self.mediums.get(&key) {
+            return Ok(t);
+        }
+        let t: Option<usize> = self.engine_tier.call1(py, (medium,))?.extract(py)?;
+        if self.mediums.len() < MAX_MEDIUMS {
+            self.mediums.insert(key, t);
+        }
+        Ok(t)
+    }
+
+    /// Checks then applies one decoded record; None: nothing was applied.
+    fn apply(
+        &mut self,
+        py: Python<'_>,
+        c: usize,
+        rec: &Rec<'_>,
+        events: &[Event<'_>],
+        tiers: &[usize],
+        now: &mut f64,
+    ) -> PyResult<Option<usize>> {
+        let ctx = self.ctxs[c].as_mut().expect("a live context");
+        let store = ctx.store.bind(py);
+        let mut st = store.borrow_mut();
+        let Some(size) = st.size_of(ctx.slot) else { return Ok(None) };
+        self.held.clear();
+        self.last.clear();
+        let mut check = Check { st: &*st, ctx, held: &mut self.held, last: &mut self.last, size };
+        for (ev, &tier) in events.iter().zip(tiers) {
+            let ok = match ev {
+                Event::Stored(s) => check.stored(s, tier),
+                Event::Removed(r) => check.removed(&r.hashes, r.group_idx, tier),
+            };
+            if ok.is_none() {
+                return Ok(None);
+            }
+        }
+        if rec.now > *now {
+            *now = rec.now;
+        }
+        let mut done = 0;
+        for (ev, &tier) in events.iter().zip(tiers) {
+            match ev {
+                Event::Stored(s) => {
+                    st.touch_expire(*now);
+                    let n = s.hashes.len();
+                    let root = match s.parent {
+                        Some(p) => st.content(p).expect("a held parent"),
+                        None => ctx.seed,
+                    };
+                    let step = ctx.block_size * 4;
+                    let tokens = s.tokens.as_deref().unwrap_or_default();
+                    let mut ident = root;
+                    let idents: Vec<u64> = tokens[..n * step]
+                        .chunks_exact(step)
+                        .map(|block| {
+                            ident = xxh3_64_with_seed(block, ident);
+                            ident
+                        })
+                        .collect();
+                    let room = ctx.max_blocks as i64 - st.size_of(ctx.slot).unwrap_or_default() as i64;
+                    let (placed, conflicts) = st.place_known(ctx.slot, tier, &s.hashes, &idents, room)?;
+                    self.counters[HASH_CONFLICTS] += conflicts as u64;
+                    ctx.applied[tier] += placed as u64;
+                    ctx.stored |= 1 << tier;
+                    done += placed;
+                }
+                Event::Removed(r) => {
+                    let missing = st.unplace_all(ctx.slot, tier, &r.hashes)?;
+                    self.counters[REMOVAL_UNKNOWN] += missing as u64;
+                    done += r.hashes.len() - missing;
+                }
+            }
+        }
+        if !ctx.touched {
+            ctx.touched = true;
+            self.touched.push(c);
+        }
+        Ok(Some(done))
+    }
+
+    /// `Index.check_seq`; returns how many messages were skipped.
+    fn check_seq(&mut self, instance: &[u8], rank: u32, seq: Option<u64>, now: f64) -> u64 {
+        let inst = self.insts.get_mut(instance).expect("a context's instance");
+        inst.last_ts = now;
+        inst.touched = true;
+        let Some(seq) = seq else { return 0 };
+        let entry = inst.seqs.entry(rank).or_insert((None, false));
+        let last = entry.0.replace(seq);
+        entry.1 = true;
+        let Some(last) = last else { return 0 };
+        let next = u128::from(last) + 1;
+        let seq = u128::from(seq);
+        if seq == next {
+            0
+        } else if seq > next {
+            let missing = (seq - next) as u64;
+            self.counters[SEQ_GAPS] += 1;
+            self.counters[SEQ_MISSING] += missing;
+            missing
+        } else {
+            self.counters[SEQ_REGRESSIONS] += 1;
+            0
+        }
+    }
+
+    fn drop_ctx(&mut self, c: usize) -> Option<usize> {
+        let ctx = self.ctxs[c].take()?;
+        self.by_sig.remove(&ctx.sig);
+        self.free.push(c);
+        Some(ctx.id)
+    }
+
+    fn output(&mut self, py: Python<'_>, stop: usize, code: u8, rank: Option<u64>, now: f64) -> RunOut {
+        let counters = COUNTER_NAMES
+            .iter()
+            .zip(std::mem::take(&mut self.counters))
+            .filter(|(_, v)| *v != 0)
+            .map(|(&k, v)| (k, v))
+            .collect();
+        let mut ctxs = Vec::with_capacity(self.touched.len());
+        for c in std::mem::take(&mut self.touched) {
+            if let Some(ctx) = self.ctxs[c].as_mut() {
+                let now = ctx.store.bind(py).borrow().now();
+                ctxs.push((ctx.id, std::mem::take(&mut ctx.applied), std::mem::take(&mut ctx.stored), now));
+                ctx.touched = false;
+            }
+        }
+        let mut insts = Vec::new();
+        for inst in self.insts.values_mut().filter(|i| i.touched) {
+            inst.touched = false;
+            let seqs = inst
+                .seqs
+                .iter_mut()
+                .filter(|(_, s)| s.1)
+                .map(|(&rank, s)| {
+                    s.1 = false;
+                    (rank, s.0.unwrap_or_default())
+                })
+                .collect();
+            insts.push((inst.name.clone_ref(py), inst.last_ts, seqs));
+        }
+        (stop, code, rank, now, counters, std::mem::take(&mut self.gaps), ctxs, insts)
+    }
+}
+
+#[pymethods]
+impl EngineLane {
+    /// `full_kinds`: `cache_groups.FULL_KINDS`; `engine_tier`: `media.engine_tier`.
+    #[new]
+    fn new(full_kinds: Vec<String>, engine_tier: Py<PyAny>) -> Self {
+        EngineLane {
+            full_kinds,
+            engine_tier,
+            mediums: HashMap::new(),
+            by_sig: HashMap::new(),
+            ctxs: Vec::new(),
+            free: Vec::new(),
+            insts: HashMap::new(),
+            miss: None,
+            sig: Vec::new(),
+            held: HashMap::new(),
+            last: HashMap::new(),
+            touched: Vec::new(),
+            counters: [0; 5],
+            gaps: Vec::new(),
+        }
+    }
+
+    /// Applies `records[start..]` (`core.Incoming`s) until one it cannot,
+    /// with `now` the index's clock. Returns (stop, code, the payload's dp
+    /// rank at a `NEED_CONTEXT` stop, the clock, counters moved, kv-seq gaps
+    /// as (record, blocks, missing), per context touched (id, blocks
+    /// applied per tier, tiers stored to, its store's clock), per instance
+    /// touched (name, last event time, (rank, last kv-seq) changed)).
+    fn run(&mut self, py: Python<'_>, records: &Bound<'_, PyList>, start: usize, now: f64) -> PyResult<RunOut> {
+        let mut now = now;
+        let mut sig = std::mem::take(&mut self.sig);
+        let mut tiers: Vec<usize> = Vec::new();
+        let mut i = start;
+        let result = loop {
+            if i >= records.len() {
+                break (i, DONE, None);
+            }
+            let item = records.get_item(i)?;
+            let Some(rec) = read_record(&item, &mut sig)? else { break (i, PYTHON, None) };
+            let Some(batch) = engine_wire::decode(rec.payload) else { break (i, PYTHON, None) };
+            match batch.dp_rank {
+                Some(r) => {
+                    sig.push(1);
+                    sig.extend_from_slice(&r.to_le_bytes());
+                }
+                None => sig.push(0),
+            }
+            let Some(&c) = self.by_sig.get(&sig) else {
+                self.miss = Some((sig.clone(), rec.key.to_vec()));
+                break (i, NEED_CONTEXT, batch.dp_rank);
+            };
+            let (pending, rank) = {
+                let ctx = self.ctxs[c].as_ref().expect("a live context");
+                (ctx.pending.bind(py).len(), ctx.rank)
+            };
+            if pending != 0 {
+                break (i, PYTHON, None);
+            }
+            tiers.clear();
+            let mut known = true;
+            for ev in &batch.events {
+                let medium = match ev {
+                    Event::Stored(s) => s.medium,
+                    Event::Removed(r) => r.medium,
+                };
+                match self.tier(py, medium)? {
+                    Some(t) if t < TIERS => tiers.push(t),
+                    _ => {
+                        known = false;
+                        break;
+                    }
+                }
+            }
+            if !known {
+                break (i, PYTHON, None);
+            }
+            let Some(done) = self.apply(py, c, &rec, &batch.events, &tiers, &mut now)? else {
+                break (i, PYTHON, None);
+            };
+            let missing = self.check_seq(rec.key, rank, rec.seq, now);
+            if missing != 0 {
+                self.gaps.push((i, done, missing));
+            }
+            i += 1;
+        };
+        self.sig = sig;
+        let (stop, code, rank) = result;
+        Ok(self.output(py, stop, code, rank, now))
+    }
+
+    /// A context for the record `run` last stopped at with `NEED_CONTEXT`:
+    /// its instance's `name`, the owner's `slot` in `store` for `rank`,
+    /// and the facts the caller checked (see the module doc).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (id, name, store, pending, slot, block_size, seed, max_blocks, pool_mode, kind0, rank, last_seq))]
+    fn add_context(
+        &mut self,
+        id: usize,
+        name: Py<PyString>,
+        store: Py<BlockStore>,
+        pending: Py<PyDict>,
+        slot: usize,
+        block_size: usize,
+        seed: u64,
+        max_blocks: usize,
+        pool_mode: bool,
+        kind0: Option<String>,
+        rank: u32,
+        last_seq: Option<u64>,
+    ) -> PyResult<()> {
+        let Some((sig, instance)) = self.miss.take() else {
+            return Err(pyo3::exceptions::PyAssertionError::new_err("no record waits for a context"));
+        };
+        if block_size == 0 || kind0.as_ref().is_some_and(|k| !self.full_kinds.contains(k)) {
+            return Err(pyo3::exceptions::PyValueError::new_err("not a context the lane can apply"));
+        }
+        let ctx = Ctx {
+            id,
+            sig: sig.clone(),
+            store,
+            pending,
+            slot,
+            block_size,
+            seed,
+            max_blocks,
+            pool_mode,
+            kind0,
+            rank,
+            applied: [0; TIERS],
+            stored: 0,
+            touched: false,
+        };
+        let c = match self.free.pop() {
+            Some(c) => {
+                self.ctxs[c] = Some(ctx);
+                c
+            }
+            None => {
+                self.ctxs.push(Some(ctx));
+                self.ctxs.len() - 1
+            }
+        };
+        self.by_sig.insert(sig, c);
+        let inst = self.insts.entry(instance).or_insert_with(|| Inst {
+            name,
+            ctxs: Vec::new(),
+            last_ts: 0.0,
+            touched: false,
+            seqs: HashMap::new(),
+        });
+        inst.ctxs.push(c);
+        inst.seqs.entry(rank).or_insert((last_seq, false));
+        Ok(())
+    }
+
+    /// Forgets an instance's contexts (its record went the Python way);
+    /// returns their ids.
+    fn forget(&mut self, instance: &[u8]) -> Vec<usize> {
+        let Some(inst) = self.insts.remove(instance) else { return Vec::new() };
+        inst.ctxs.into_iter().filter_map(|c| self.drop_ctx(c)).collect()
+    }
+
+    /// Forgets every context.
+    fn reset(&mut self) {
+        self.by_sig.clear();
+        self.ctxs.clear();
+        self.free.clear();
+        self.insts.clear();
+        self.miss = None;
+    }
+
+    fn __len__(&self) -> usize {
+        self.by_sig.len()
+    }
+}
