@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from consumers.engine_wire import decode_engine_payload
-from kvconductor.engine_lane import EngineLane
 from consumers.pool_wire import decode_pool_payload
+from kvconductor.engine_lane import EngineLane
 from kvconductor.errors import DecodeError, InvalidHeader
 from kvconductor.index import Index, IndexLimits
 from kvconductor.kernel import KERNEL
@@ -26,7 +26,16 @@ from kvconductor.media import DEVICE, DISK, HOST
 from kvconductor.namespace_index import NamespaceKey
 from kvconductor.pending import INTENT, UNRESOLVED, WAITING
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
-from kvconductor.records import Headers, control_meta, engine_meta, header_map, pool_meta
+from kvconductor.records import (
+    Headers,
+    Incoming,
+    control_meta,
+    engine_meta,
+    header_map,
+    pool_meta,
+)
+
+__all__ = ["Applied", "Conductor", "Incoming", "Notice"]
 
 
 class Applied(NamedTuple):
@@ -35,24 +44,13 @@ class Applied(NamedTuple):
     resync: bool = False  # a bridge's resync control record was applied
 
 
-class Incoming(NamedTuple):
-    """One Kafka record on its way in: `pool` for the pool topic's (and the
-    repartitioned pool records), else an engine record."""
-
-    pool: bool
-    key: bytes | str | None
-    headers: Headers
-    value: bytes | None
-    now: float  # the record's timestamp, in seconds
-
-
 class Notice(NamedTuple):
     """A record of a batch the caller must hear of: it was not applied
     (`error`), or it applied with something to say (`applied.seq_missing`,
     `applied.resync`). `error` is a `BadRecord`, or any other exception the
     core raised (a bug: the record is skipped all the same)."""
 
-    index: int  # position in the batch
+    at: int  # position in the batch
     applied: Applied | None
     error: Exception | None
 

@@ -27,10 +27,9 @@ from kvconductor.errors import BadRecord
 from kvconductor.kernel import KERNEL
 from kvconductor.media import TIER_NAMES, engine_tier
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, namespace_key
-from kvconductor.records import control_meta, engine_meta, header_map
+from kvconductor.records import Incoming, control_meta, engine_meta, header_map
 
 if TYPE_CHECKING:
-    from kvconductor.core import Incoming
     from kvconductor.index import Index, InstanceState
 
 DONE = 0
@@ -89,7 +88,7 @@ class EngineLane:
     def __init__(self, index: Index) -> None:
         assert KERNEL is not None
         self.index = index
-        self.kernel = cast(_Kernel, KERNEL.EngineLane(sorted(FULL_KINDS), engine_tier))  # type: ignore[attr-defined]
+        self.kernel = cast(_Kernel, KERNEL.EngineLane(sorted(FULL_KINDS), engine_tier))
         self.store_type = type(KERNEL.BlockStore(0, 0.0))
         self.contexts: dict[int, _Context] = {}
         self.next_id = 0

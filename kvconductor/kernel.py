@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import msgspec
@@ -20,6 +20,7 @@ EncodedLayout = Sequence[tuple[str, bytes, Sequence[tuple[int, int]]]]
 
 class Kernel(Protocol):
     """kernel/src/lib.rs: the namespace block store (kernel/src/store.rs),
+    the engine lane (kernel/src/lane.rs, typed in `engine_lane`),
     the query answer's shape (kernel/src/shape.rs), and
     `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack`,
     `tokens_from_json` and `chain_identities` without extra keys.
@@ -30,6 +31,10 @@ class Kernel(Protocol):
     loader knows none of its users."""
 
     def BlockStore(self, max_retired: int, max_age_s: float) -> object: ...
+
+    def EngineLane(
+        self, full_kinds: list[str], engine_tier: Callable[[str | None], int | None]
+    ) -> object: ...
 
     def AnswerShape(
         self,

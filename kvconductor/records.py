@@ -9,6 +9,18 @@ from kvconductor.errors import InvalidHeader, MissingHeader
 
 Headers = Iterable[tuple[str, bytes]]
 
+
+class Incoming(NamedTuple):
+    """One Kafka record on its way in: `pool` for the pool topic's (and the
+    repartitioned pool records), else an engine record."""
+
+    pool: bool
+    key: bytes | str | None
+    headers: Headers
+    value: bytes | None
+    now: float  # the record's timestamp, in seconds
+
+
 SOURCES = frozenset({"vllm", "sglang", "trtllm"})
 OFFLOAD_MODES = frozenset({"local", "pool"})
 

@@ -47,7 +47,7 @@ def test_bad_records_are_noticed_and_skipped() -> None:
     ]
     batch = Conductor()
     notices = batch.ingest(records[:5] + bad + records[5:])
-    assert [n.index for n in notices] == [5, 6, 7, 8]
+    assert [n.at for n in notices] == [5, 6, 7, 8]
     assert all(isinstance(n.error, BadRecord) and n.applied is None for n in notices)
     assert isinstance(notices[0].error, DecodeError)
     clean = Conductor()
@@ -59,5 +59,5 @@ def test_seq_gaps_are_noticed() -> None:
     records = _records()
     first = [r for r in records if r.key == b"hyb-d0"][:4]
     notices = Conductor().ingest([first[0], first[3]])
-    assert len(notices) == 1 and notices[0].index == 1
+    assert len(notices) == 1 and notices[0].at == 1
     assert notices[0].applied is not None and notices[0].applied.seq_missing == 2

@@ -545,7 +545,8 @@ mod tests {
         str_(&mut e, "BlockRemoved");
         e.extend_from_slice(&[0x92, 0xff, 0xd3]);
         e.extend_from_slice(&(-2i64).to_be_bytes());
-        let b = decode(&batch(&[e], None)).expect("in the subset");
+        let payload = batch(&[e], None);
+        let b = decode(&payload).expect("in the subset");
         let Event::Removed(r) = &b.events[0] else { panic!("a removal") };
         assert_eq!(r.hashes, vec![u64::MAX, u64::MAX - 1]);
     }
