@@ -25,6 +25,7 @@ every block, then the cache salt on the first block only, as text; none is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 import struct
@@ -50,9 +51,7 @@ def encode(algorithm: str, value: HashValue) -> bytes:
     if algorithm == "sha256":
         return pickle.dumps(value, protocol=5)
     if algorithm == "sha256_cbor":
-        out = bytearray()
-        _cbor(out, value)
-        return bytes(out)
+        return _cbor(value)
     raise ValueError(f"unsupported hash algorithm: {algorithm}")
 
 
@@ -66,25 +65,28 @@ def cbor_head(major: int, n: int) -> bytes:
     raise ValueError("argument does not fit CBOR")
 
 
-def _cbor(out: bytearray, value: HashValue) -> None:
-    # Canonical CBOR for exactly the shapes of vLLM's hash inputs.
+@functools.lru_cache(maxsize=1 << 18)
+def _uint(n: int) -> bytes:
+    # Token ids repeat across blocks and queries: a vocabulary's worth cached.
+    return cbor_head(0, n)
+
+
+def _cbor(value: HashValue) -> bytes:
+    """Canonical CBOR for exactly the shapes of vLLM's hash inputs."""
+    if type(value) is int and value >= 0:
+        return _uint(value)
     if value is None:
-        out.append(0xF6)
-    elif isinstance(value, bool):
+        return b"\xf6"
+    if isinstance(value, bool):
         raise TypeError("a boolean is not a hash input")
-    elif isinstance(value, int):
-        out += cbor_head(0, value) if value >= 0 else cbor_head(1, -1 - value)
-    elif isinstance(value, bytes):
-        out += cbor_head(2, len(value))
-        out += value
-    elif isinstance(value, str):
+    if isinstance(value, int):
+        return cbor_head(1, -1 - value)
+    if isinstance(value, bytes):
+        return cbor_head(2, len(value)) + value
+    if isinstance(value, str):
         text = value.encode("utf-8")
-        out += cbor_head(3, len(text))
-        out += text
-    else:
-        out += cbor_head(4, len(value))
-        for item in value:
-            _cbor(out, item)
+        return cbor_head(3, len(text)) + text
+    return cbor_head(4, len(value)) + b"".join(map(_cbor, value))
 
 
 def none_hash(profile: VllmProfile) -> bytes:

@@ -108,6 +108,10 @@ class WithTokenless:
         return self._shape
 
 
+# A block's waiting targets, and the pool classes among them.
+_Row = tuple[frozenset[Target], frozenset[int]]
+
+
 class _Holdings:
     """The waiting targets of each of the prompt's blocks, by any profile's
     name, computed as far as a walk asks."""
@@ -117,35 +121,30 @@ class _Holdings:
     def __init__(self, ns: NamespaceIndex, names: Sequence[Names]) -> None:
         self._waiting = ns.waiting
         self._names = names
-        self._rows: list[list[Target]] = []
+        self._rows: list[_Row] = []
 
-    def at(self, i: int) -> list[Target]:
+    def at(self, i: int) -> _Row:
         rows = self._rows
         while len(rows) <= i:
             n = len(rows)
-            targets: list[Target] = []
+            targets: set[Target] = set()
             for names in self._names:
                 if n < len(names):
-                    targets.extend(self._waiting.get(names[n], ()))
-            rows.append(targets)
+                    targets.update(self._waiting.get(names[n], ()))
+            pools = frozenset(t[3] for t in targets if t[0] == "p")
+            rows.append((frozenset(targets), pools))
         return rows[i]
 
-    def run(self, start: int, end: int, held: Callable[[list[Target]], bool]) -> int:
-        """Where the run of blocks from `start` that `held` accepts ends."""
+    def run(self, start: int, end: int, own: frozenset[Target], pools: frozenset[int]) -> int:
+        """Where the run of blocks from `start` held in one of `own` or in a
+        pool store of one of the `pools` classes ends."""
         i = start
-        while i < end and held(self.at(i)):
+        while i < end:
+            targets, classes = self.at(i)
+            if own.isdisjoint(targets) and pools.isdisjoint(classes):
+                break
             i += 1
         return i
-
-
-def _tier_held(instance: str, rank: int, tiers: tuple[int, ...]) -> Callable[[list[Target]], bool]:
-    own = {("o", instance, rank, tier) for tier in tiers}
-    pools = {tier for tier in tiers if tier != DEVICE}
-
-    def held(targets: list[Target]) -> bool:
-        return any(t in own or (t[0] == "p" and t[3] in pools) for t in targets)
-
-    return held
 
 
 def extend(
@@ -183,12 +182,20 @@ def extend(
     return (WithTokenless(ns, extra) if extra else ns), out
 
 
+_NO_POOLS: frozenset[int] = frozenset()
+_HOST = frozenset({HOST})
+_LOWER = frozenset({HOST, DISK})
+
+
 def _walk(
     holdings: _Holdings, instance: str, rank: int, total: int, gpu: int, cpu: int, disk: int
 ) -> tuple[int, int, int]:
-    gpu = holdings.run(gpu, total, _tier_held(instance, rank, (DEVICE,)))
-    cpu = holdings.run(max(cpu, gpu), total, _tier_held(instance, rank, (HOST,)))
-    disk = holdings.run(max(disk, cpu), total, _tier_held(instance, rank, (HOST, DISK)))
+    device: frozenset[Target] = frozenset({("o", instance, rank, DEVICE)})
+    host: frozenset[Target] = frozenset({("o", instance, rank, HOST)})
+    lower = host | {("o", instance, rank, DISK)}
+    gpu = holdings.run(gpu, total, device, _NO_POOLS)
+    cpu = holdings.run(max(cpu, gpu), total, host, _HOST)
+    disk = holdings.run(max(disk, cpu), total, lower, _LOWER)
     return gpu, cpu, disk
 
 
@@ -201,7 +208,7 @@ def _tokenless_owners(
     """(instance, rank) of the owners without a slot that hold the prompt's
     first block token-less, in name and rank order: only those can match."""
     seen: set[tuple[str, int]] = set()
-    for target in holdings.at(0):
+    for target in holdings.at(0)[0]:
         if target[0] != "o":
             continue
         instance, rank = target[1], int(target[2])

@@ -28,7 +28,7 @@ from kvconductor.engine_hashes import (
     none_hash,
 )
 from kvconductor.query_wire import TokenQuery
-from kvconductor.registrations import HashProfile, root_digest
+from kvconductor.registrations import HashProfile, check_hash_profile, root_digest
 from kvconductor.snapshots import state_fingerprint
 from tests.harness import (
     FIXTURE_ROOT,
@@ -121,6 +121,7 @@ def test_names_are_a_running_vllms(run: str) -> None:
 def test_the_root_and_the_encodings() -> None:
     # vLLM's NONE_HASH: its hash function of the seed text.
     assert none_hash(VLLM) == hashlib.sha256(encode("sha256", DEFAULT_NONE_HASH_SEED)).digest()
+    check_hash_profile(HashProfile(**PROFILE))  # vLLM's own seed is taken too
     seeded = HashProfile(**{**PROFILE, "python_hash_seed": "0"})
     assert root_digest(seeded) == none_hash(VllmProfile("sha256", "0")).hex()
     # Canonical CBOR, RFC 8949 appendix A's examples.
@@ -245,7 +246,8 @@ def test_an_owner_holding_only_tokenless_blocks() -> None:
     answer = conductor.index.query(req, profiles=[VLLM])
     assert _rows(answer) == {"only-0": (64, 64, 64)}
     assert conductor.index.query_ranks(req, None, [VLLM])["only-0"] == {0: (64, 64, 64)}
-    assert "only-0" not in conductor.workers()[0]["instances"]
+    # It has no slot of its own in the namespace: nothing of it is held.
+    assert not any("only-0" in ns.owners for ns in conductor.index.namespaces.values())
 
 
 def test_only_what_the_profile_names() -> None:
@@ -263,6 +265,26 @@ def test_only_what_the_profile_names() -> None:
     # A cut of the prompt answers its blocks only.
     short = TokenQuery(model=MODEL, block_size=BS, token_ids=req.token_ids[: 6 * BS])
     assert _rows(conductor.index.query(short, profiles=[VLLM]))["tl-0"] == (96, 96, 96)
+
+
+def test_hybrid_instances_are_left_to_content() -> None:
+    """A hybrid rank's device hit needs its other groups' blocks too, which
+    no token-less store places: names never extend it."""
+    conductor = _fed()
+    h = [BlockNames(VLLM, _other_prompt(), BS)[i] for i in range(4)]
+    kinds = [
+        {**stored(h, None, block_size=BS), "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+        {
+            **stored(h, None, block_size=BS),
+            "group_idx": 1,
+            "kv_cache_spec_kind": "sliding_window",
+            "kv_cache_spec_sliding_window": 32,
+        },
+    ]
+    key, value, headers = _record("hyb-0", kinds, 0)
+    conductor.ingest_engine_record(key, headers, value, 1.0)
+    req = TokenQuery(model=MODEL, block_size=BS, token_ids=_other_prompt())
+    assert _rows(conductor.index.query(req, profiles=[VLLM])) == {"only-0": (64, 64, 64)}
 
 
 # ------------------------------------------------------- through the daemon
