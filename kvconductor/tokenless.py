@@ -161,7 +161,7 @@ def extend(
     gained = 0
     for slot, gpu, cpu, disk in found:
         owner = ns.slots[slot]
-        if owner is None or slot in ns.hybrid:
+        if owner is None or slot in ns.hybrid or prompt.hybrid(owner.instance):
             out.append((slot, gpu, cpu, disk))
             continue
         row = _walk(holdings, owner.instance, owner.rank, total, gpu, cpu, disk)
