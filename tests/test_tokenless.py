@@ -27,7 +27,9 @@ from kvconductor.engine_hashes import (
     encode,
     none_hash,
 )
+from kvconductor.events import PoolBatch, PoolEvent
 from kvconductor.query_wire import TokenQuery
+from kvconductor.records import PoolMeta
 from kvconductor.registrations import HashProfile, check_hash_profile, root_digest
 from kvconductor.snapshots import state_fingerprint
 from tests.harness import (
@@ -285,6 +287,30 @@ def test_hybrid_instances_are_left_to_content() -> None:
     conductor.ingest_engine_record(key, headers, value, 1.0)
     req = TokenQuery(model=MODEL, block_size=BS, token_ids=_other_prompt())
     assert _rows(conductor.index.query(req, profiles=[VLLM])) == {"only-0": (64, 64, 64)}
+
+
+def test_pool_confirmations_and_per_request_salts() -> None:
+    """A pool confirmation waiting for its content continues every rank's
+    host tier; a query's `cache_salt` is in its first block's name, where
+    vLLM puts it (the unsalted namespace's blocks answer it)."""
+    conductor = _fed()
+    tokens = _other_prompt()
+    longer = tokens + [3100 + i for i in range(2 * BS)]
+    names = BlockNames(VLLM, longer, BS)
+    confirm = PoolEvent("stored", [names[4], names[5]], medium="cpu")
+    conductor.index.apply_pool(
+        "mc-0", PoolMeta(MODEL, BS, "default", "", None), PoolBatch(1.0, [confirm]), 1.0
+    )
+    req = TokenQuery(model=MODEL, block_size=BS, token_ids=longer)
+    assert _rows(conductor.index.query(req, profiles=[VLLM]))["only-0"] == (64, 96, 96)
+    salted = BlockNames(VLLM, tokens, BS, cache_salt="s")
+    key, value, headers = _record(
+        "salt-0", [stored([salted[0], salted[1]], None, block_size=BS)], 0
+    )
+    conductor.ingest_engine_record(key, headers, value, 1.0)
+    ask = TokenQuery(model=MODEL, block_size=BS, token_ids=tokens, cache_salt="s")
+    assert _rows(conductor.index.query(ask, profiles=[VLLM])) == {"salt-0": (32, 32, 32)}
+    assert conductor.index.query_ranks(ask, None, [VLLM]) == {"salt-0": {0: (32, 32, 32)}}
 
 
 # ------------------------------------------------------- through the daemon
