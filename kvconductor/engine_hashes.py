@@ -32,7 +32,6 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
-ALGORITHMS = ("sha256", "sha256_cbor")
 # The seed vLLM takes for sha256 and sha256_cbor when PYTHONHASHSEED is unset.
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
@@ -55,7 +54,7 @@ def encode(algorithm: str, value: HashValue) -> bytes:
     raise ValueError(f"unsupported hash algorithm: {algorithm}")
 
 
-def cbor_head(major: int, n: int) -> bytes:
+def _cbor_head(major: int, n: int) -> bytes:
     """A canonical CBOR head: major type and argument, shortest form."""
     if n < 24:
         return bytes([major << 5 | n])
@@ -68,7 +67,7 @@ def cbor_head(major: int, n: int) -> bytes:
 @functools.lru_cache(maxsize=1 << 18)
 def _uint(n: int) -> bytes:
     # Token ids repeat across blocks and queries: a vocabulary's worth cached.
-    return cbor_head(0, n)
+    return _cbor_head(0, n)
 
 
 def _cbor(value: HashValue) -> bytes:
@@ -80,13 +79,13 @@ def _cbor(value: HashValue) -> bytes:
     if isinstance(value, bool):
         raise TypeError("a boolean is not a hash input")
     if isinstance(value, int):
-        return cbor_head(1, -1 - value)
+        return _cbor_head(1, -1 - value)
     if isinstance(value, bytes):
-        return cbor_head(2, len(value)) + value
+        return _cbor_head(2, len(value)) + value
     if isinstance(value, str):
         text = value.encode("utf-8")
-        return cbor_head(3, len(text)) + text
-    return cbor_head(4, len(value)) + b"".join(map(_cbor, value))
+        return _cbor_head(3, len(text)) + text
+    return _cbor_head(4, len(value)) + b"".join(map(_cbor, value))
 
 
 def none_hash(profile: VllmProfile) -> bytes:
