@@ -75,6 +75,7 @@ from kvconductor.conductor_wire import (
 from kvconductor.conductor_wire import error_body as conductor_error_body
 from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
 from kvconductor.dynamo_wire import TieredQueryByHash, tiered_answer
+from kvconductor.engine_hashes import VllmProfile
 from kvconductor.metrics import CONTENT_TYPE, Metrics
 from kvconductor.query import namespace_of
 from kvconductor.query_wire import (
@@ -84,6 +85,7 @@ from kvconductor.query_wire import (
     read_token_query,
 )
 from kvconductor.registration_http import RegistrationRoutes, msgpack_wire
+from kvconductor.registrations import Context
 
 if TYPE_CHECKING:
     from kvconductor.core import Conductor
@@ -382,14 +384,16 @@ class QueryApi:
 
     def _conductor_answer(self, req: TokenQuery | HashQuery, packed: bytes | None) -> bytes:
         try:
-            hits = self.conductor.query_ranks(req, packed)
+            profiles = self._profiles(req)
+            if profiles:
+                hits = self.conductor.index.query_ranks(req, packed, profiles)
+            else:
+                hits = self.conductor.query_ranks(req, packed)
         except InvalidQuery as exc:
             raise ConductorError("invalid_value", str(exc)) from None
         registered: dict[str, set[int]] = {}
         if self.registrations is not None:
-            key = namespace_of(req)
-            context = (key.tenant, key.model, key.lora_name or "", key.block_size)
-            registered = self.registrations.ranks(context)
+            registered = self.registrations.ranks(_context(req))
             if req.instance_id is not None:
                 registered = {n: r for n, r in registered.items() if n == req.instance_id}
         return conductor_answer(hits, registered)
@@ -399,9 +403,23 @@ class QueryApi:
         if read is None:
             # The typed decoder says what is wrong, or takes it and the
             # index says why.
-            return self._run(self.conductor.query_json, _decode(_token_decoder, body))
+            return self._run(self._token_json, _decode(_token_decoder, body))
         req, packed = read
-        return self._run(lambda r: self.conductor.query_json(r, packed), req)
+        return self._run(lambda r: self._token_json(r, packed), req)
+
+    def _token_json(self, req: TokenQuery, packed: bytes | None = None) -> bytes:
+        profiles = self._profiles(req)
+        if profiles:
+            return self.conductor.index.query_json(req, packed, profiles)
+        return self.conductor.query_json(req, packed)
+
+    def _profiles(self, req: TokenQuery | HashQuery) -> tuple[VllmProfile, ...]:
+        """The hash profiles registered for a token query's context, with
+        which token-less holdings are found too (`tokenless`)."""
+        regs = self.registrations
+        if regs is None or not isinstance(req, TokenQuery) or not regs.any_profile():
+            return ()
+        return regs.profiles(_context(req))
 
     def hash_answer(self, body: bytes) -> bytes:
         return self._run(self.conductor.query_json, _decode(_hash_decoder, body))
@@ -436,6 +454,11 @@ class QueryApi:
 
 
 API_KEY = web.AppKey("kvconductor_api", QueryApi)
+
+
+def _context(req: TokenQuery | HashQuery) -> Context:
+    key = namespace_of(req)
+    return (key.tenant, key.model, key.lora_name or "", key.block_size)
 
 
 def _decode(decoder: msgspec.json.Decoder[T], body: bytes) -> T:

@@ -9,6 +9,7 @@ a record is applied whole or not at all.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 
 from kvconductor.cache_groups import (
     FULL_KINDS,
@@ -17,6 +18,7 @@ from kvconductor.cache_groups import (
     UNCACHED_KINDS,
     WINDOW_KINDS,
 )
+from kvconductor.engine_hashes import VllmProfile
 from kvconductor.errors import RejectedEvent
 from kvconductor.events import (
     AllBlocksCleared,
@@ -38,6 +40,7 @@ from kvconductor.query import (
 )
 from kvconductor.query_wire import HashQuery, QueryResponse, TokenQuery
 from kvconductor.records import EngineMeta, PoolMeta
+from kvconductor.tokenless import EngineProfiles
 
 
 class InstanceState:
@@ -443,19 +446,44 @@ class Index:
 
     # ------------------------------------------------------------ queries
 
-    def query(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> QueryResponse:
-        """`packed`: see `query.run_query`."""
-        return run_query(*self._namespaces_of(req), packed)
+    def query(
+        self,
+        req: TokenQuery | HashQuery,
+        packed: bytes | None = None,
+        profiles: Sequence[VllmProfile] = (),
+    ) -> QueryResponse:
+        """`packed`: see `query.run_query`; `profiles`: the hash profiles
+        bound to the query's context (`tokenless`)."""
+        return run_query(*self._namespaces_of(req), packed, self._profiles(profiles))
 
-    def query_json(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> bytes:
+    def query_json(
+        self,
+        req: TokenQuery | HashQuery,
+        packed: bytes | None = None,
+        profiles: Sequence[VllmProfile] = (),
+    ) -> bytes:
         """`query`'s answer as JSON (`query.run_query_json`)."""
-        return run_query_json(*self._namespaces_of(req), packed)
+        return run_query_json(*self._namespaces_of(req), packed, self._profiles(profiles))
 
     def query_ranks(
-        self, req: TokenQuery | HashQuery, packed: bytes | None = None
+        self,
+        req: TokenQuery | HashQuery,
+        packed: bytes | None = None,
+        profiles: Sequence[VllmProfile] = (),
     ) -> dict[str, dict[int, tuple[int, int, int]]]:
         """`query`'s match per rank (`query.run_query_ranks`)."""
-        return run_query_ranks(*self._namespaces_of(req), packed)
+        return run_query_ranks(*self._namespaces_of(req), packed, self._profiles(profiles))
+
+    def _profiles(self, profiles: Sequence[VllmProfile]) -> EngineProfiles | None:
+        return EngineProfiles(profiles, self._hybrid) if profiles else None
+
+    def _hybrid(self, instance: str) -> bool:
+        """Whether the instance's stores named KV-cache groups beyond a
+        primary full-attention one."""
+        state = self.instances.get(instance)
+        return state is not None and any(
+            group or kind not in FULL_KINDS for group, kind in state.groups.items()
+        )
 
     def query_local_hashes(
         self, tenant: str, model: str, local: list[int]

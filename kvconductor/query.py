@@ -29,6 +29,7 @@ from kvconductor.hashing import MASK64, chain_identities, extra_keys_fingerprint
 from kvconductor.media import DEVICE
 from kvconductor.namespace_index import NamespaceIndex, NamespaceKey, namespace_key
 from kvconductor.query_wire import HashQuery, InvalidQuery, QueryResponse, TokenQuery
+from kvconductor.tokenless import EngineProfiles, Owners, PromptNames, extend
 
 _encoder = msgspec.json.Encoder()
 
@@ -141,6 +142,7 @@ def run_query(
     req: TokenQuery | HashQuery,
     salted: NamespaceIndex | None = None,
     packed: bytes | None = None,
+    profiles: EngineProfiles | None = None,
 ) -> QueryResponse:
     """Answer one query against its namespace (None: unknown namespace).
 
@@ -153,13 +155,17 @@ def run_query(
 
     `packed`: a token query's prompt already packed (`pack_tokens`), in
     place of its `token_ids`: the HTTP server packs it straight from the
-    request's JSON."""
+    request's JSON.
+
+    `profiles`: the hash profiles bound to the query's context, with which
+    token-less holdings are found by the engines' names (`tokenless`)."""
     prompt = _prompt(req, packed)
-    found = _matched(ns, req, prompt)
+    names = _names(req, prompt, profiles)
+    found = _matched(ns, req, prompt, names=names)
     answer = {} if found is None else found[0].answer_shape().shape(found[1], False)
     if _salted_too(req, salted):
         fp = extra_keys_fingerprint([req.cache_salt])
-        extra = _matched(salted, req, prompt, fp)
+        extra = _matched(salted, req, prompt, fp, names)
         if extra is not None:
             answer = _merge(answer, extra[0].answer_shape().shape(extra[1], True))
     return answer
@@ -170,13 +176,15 @@ def run_query_json(
     req: TokenQuery | HashQuery,
     salted: NamespaceIndex | None = None,
     packed: bytes | None = None,
+    profiles: EngineProfiles | None = None,
 ) -> bytes:
     """`run_query`'s answer as the JSON body the HTTP API sends, written
     straight from the matched lengths (an answer's dicts cost more than the
     walk at a hundred instances), unless two namespaces' answers merge."""
     if _salted_too(req, salted):
-        return _encoder.encode(run_query(ns, req, salted, packed))
-    found = _matched(ns, req, _prompt(req, packed))
+        return _encoder.encode(run_query(ns, req, salted, packed, profiles))
+    prompt = _prompt(req, packed)
+    found = _matched(ns, req, prompt, names=_names(req, prompt, profiles))
     if found is None:
         return b"{}"
     return found[0].answer_shape().shape_json(found[1])
@@ -187,17 +195,20 @@ def run_query_ranks(
     req: TokenQuery | HashQuery,
     salted: NamespaceIndex | None = None,
     packed: bytes | None = None,
+    profiles: EngineProfiles | None = None,
 ) -> dict[str, dict[int, tuple[int, int, int]]]:
     """`run_query`'s match per listed (instance, rank), not only each
     instance's best rank: `{instance: {rank: (GPU, CPU, DISK)}}` in tokens
     (Conductor's answer lists every rank, `conductor_wire`)."""
     prompt = _prompt(req, packed)
+    names = _names(req, prompt, profiles)
     out: dict[str, dict[int, tuple[int, int, int]]] = {}
-    found = _matched(ns, req, prompt)
+    found = _matched(ns, req, prompt, names=names)
     if found is not None:
         _ranks_into(out, *found, hits_only=False)
     if _salted_too(req, salted):
-        extra = _matched(salted, req, prompt, extra_keys_fingerprint([req.cache_salt]))
+        fp = extra_keys_fingerprint([req.cache_salt])
+        extra = _matched(salted, req, prompt, fp, names)
         if extra is not None:
             _ranks_into(out, *extra, hits_only=True)
     return out
@@ -232,7 +243,7 @@ def run_local_hash_query(
 
 def _ranks_into(
     out: dict[str, dict[int, tuple[int, int, int]]],
-    ns: NamespaceIndex,
+    ns: Owners,
     lengths: Matched,
     hits_only: bool,
 ) -> None:
@@ -266,16 +277,31 @@ def _prompt(req: TokenQuery | HashQuery, packed: bytes | None) -> bytes | list[i
     return [normalise_query_hash(h) for h in req.seq_hashes]
 
 
+def _names(
+    req: TokenQuery | HashQuery, prompt: bytes | list[int], profiles: EngineProfiles | None
+) -> PromptNames | None:
+    """A token query's blocks by the engines' names, when profiles are bound."""
+    if profiles is None or not profiles.profiles or not isinstance(prompt, bytes):
+        return None
+    return profiles.names(prompt, req.block_size, req.lora_name, req.cache_salt)
+
+
 def _matched(
-    ns: NamespaceIndex | None, req: TokenQuery | HashQuery, prompt: bytes | list[int], salt: int = 0
-) -> tuple[NamespaceIndex, Matched] | None:
-    """The namespace and its listed owners' lengths; None if none is listed."""
+    ns: NamespaceIndex | None,
+    req: TokenQuery | HashQuery,
+    prompt: bytes | list[int],
+    salt: int = 0,
+    names: PromptNames | None = None,
+) -> tuple[Owners, Matched] | None:
+    """The namespace's owners and the listed ones' lengths; None if none is
+    listed. `names`: see `tokenless.extend`."""
     if ns is None:
         return None
     listed = listed_bits(ns, req.instance_id)
-    if not listed:
-        return None
-    return ns, match(ns, prompt, listed, salt)
+    found = match(ns, prompt, listed, salt) if listed else []
+    if names is not None:
+        return extend(ns, found, req.instance_id, names)
+    return (ns, found) if listed else None
 
 
 def _merge(a: QueryResponse, b: QueryResponse) -> QueryResponse:

@@ -25,6 +25,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from kvconductor.config import KafkaConfig, kafka_client_options
+from kvconductor.engine_hashes import VllmProfile
 from kvconductor.publishers import PublisherConfig, StreamKey
 from kvconductor.registrations import (
     Context,
@@ -36,6 +37,7 @@ from kvconductor.registrations import (
     decode_record_value,
     record_key,
     record_value,
+    registered_profiles,
     registered_ranks,
     same_registration,
     to_publisher,
@@ -79,6 +81,7 @@ class RegistrationLog:
         self.on_change = on_change
         self.catalog: dict[StreamKey, Entry] = {}
         self._ranks: dict[Context, dict[str, set[int]]] | None = None
+        self._profiles: dict[Context, tuple[VllmProfile, ...]] | None = None
         self.loaded = asyncio.Event()
         self.producer: Any = None
         self.consumer: Any = None
@@ -133,7 +136,7 @@ class RegistrationLog:
     # ------------------------------------------------------------ catalog
 
     def _apply(self, record: Any) -> bool:
-        self._ranks = None
+        self._ranks = self._profiles = None
         key = decode_record_key(record.key)
         if key is None:
             log.warning("registration with an unreadable key skipped", offset=record.offset)
@@ -228,6 +231,19 @@ class RegistrationLog:
             self._ranks = registered_ranks(e.publisher for e in self.catalog.values())
         return self._ranks.get(context, {})
 
+    def profiles(self, context: Context) -> tuple[VllmProfile, ...]:
+        """The hash profiles the context's engine registrations bind."""
+        return self._profile_map().get(context, ())
+
+    def any_profile(self) -> bool:
+        """Whether any registration binds a profile (else no query needs one)."""
+        return bool(self._profile_map())
+
+    def _profile_map(self) -> dict[Context, tuple[VllmProfile, ...]]:
+        if self._profiles is None:
+            self._profiles = registered_profiles(e.body for e in self.catalog.values())
+        return self._profiles
+
     def bodies(self) -> list[RegisterBody]:
         return [e.body for _, e in sorted(self.catalog.items())]
 
@@ -236,7 +252,7 @@ class RegistrationLog:
         await self._changed(key, None)
 
     async def _changed(self, key: StreamKey, entry: Entry | None) -> None:
-        self._ranks = None
+        self._ranks = self._profiles = None
         if entry is None:
             self.catalog.pop(key, None)
         else:

@@ -18,8 +18,12 @@ Two request forms, one registration:
 `hash_profile` is `{strategy: "vllm_v1", algorithm: "sha256_cbor" | "sha256",
 python_hash_seed: "random" or decimal text in 0..4294967295, index_projection:
 "low64_be"}`: how the engine names its blocks (vLLM's `NONE_HASH` root is
-the hash of the seed text, `root_digest`). kvconductor matches blocks on their
-content, so it keeps and reports the profile without needing it.
+the hash of the seed text, `root_digest`). kvconductor also takes the seed
+`"vllm-none-hash"`, vLLM's own for these algorithms when `PYTHONHASHSEED` is
+unset (Conductor has no way to say it). kvconductor matches blocks on their
+content and answers without the profile; with it, a query also finds the
+blocks an engine stored without token ids (`registered_profiles`,
+`tokenless`).
 
 A registration is one socket of one rank. Its service key is Conductor's
 `instance|tenant|rank`; on the topic it is keyed by `["<instance_id>",
@@ -35,14 +39,13 @@ Nothing here touches Kafka or HTTP: `registration_log` keeps the topic,
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from collections.abc import Iterable
 from typing import Annotated
 
 import msgspec
 
 from kvconductor.config import ConfigError
+from kvconductor.engine_hashes import DEFAULT_NONE_HASH_SEED, VllmProfile, none_hash
 from kvconductor.publishers import PublisherConfig, StreamKey, publisher_from_mapping
 
 VERSION = 1
@@ -175,7 +178,7 @@ def check_hash_profile(p: HashProfile) -> None:
             "index_projection", f"unsupported index projection: {p.index_projection}"
         )
     seed = p.python_hash_seed
-    if seed == "random":
+    if seed in ("random", DEFAULT_NONE_HASH_SEED):
         return
     if not (seed.isascii() and seed.isdigit()):
         raise _bad_profile(
@@ -190,25 +193,14 @@ def _bad_profile(field: str, message: str) -> InvalidRegistration:
     return InvalidRegistration(message, "invalid_value", field)
 
 
+def vllm_profile(p: HashProfile) -> VllmProfile:
+    return VllmProfile(p.algorithm, p.python_hash_seed)
+
+
 def root_digest(p: HashProfile) -> str:
     """vLLM's root (`NONE_HASH`) for the seed text: the SHA-256 of its
     encoding by the profile's algorithm, as lowercase hex."""
-    seed = p.python_hash_seed.encode("utf-8")
-    if p.algorithm == "sha256_cbor":
-        # Canonical CBOR of a text string: major type 3 with its length.
-        encoded = _cbor_head(3, len(seed)) + seed
-    else:
-        encoded = pickle.dumps(p.python_hash_seed, protocol=5)
-    return hashlib.sha256(encoded).hexdigest()
-
-
-def _cbor_head(major: int, n: int) -> bytes:
-    if n < 24:
-        return bytes([major << 5 | n])
-    for extra, width in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if n < 1 << (8 * width):
-            return bytes([major << 5 | extra]) + n.to_bytes(width, "big")
-    raise ValueError("length does not fit CBOR")
+    return none_hash(vllm_profile(p)).hex()
 
 
 def profile_view(p: HashProfile | None) -> dict[str, str] | None:
@@ -299,6 +291,16 @@ def context_of(pub: PublisherConfig) -> Context | None:
     if pub.kind != "engine" or pub.model is None or pub.block_size is None:
         return None
     return (pub.tenant, pub.model, pub.lora_name or "", pub.block_size)
+
+
+def registered_profiles(bodies: Iterable[RegisterBody]) -> dict[Context, tuple[VllmProfile, ...]]:
+    """Per context, the distinct hash profiles of its engine registrations."""
+    out: dict[Context, set[VllmProfile]] = {}
+    for body in bodies:
+        ctx = context_of(to_publisher(body))
+        if ctx is not None and body.hash_profile is not None:
+            out.setdefault(ctx, set()).add(vllm_profile(body.hash_profile))
+    return {ctx: tuple(sorted(profiles)) for ctx, profiles in out.items()}
 
 
 def registered_ranks(pubs: Iterable[PublisherConfig]) -> dict[Context, dict[str, set[int]]]:
