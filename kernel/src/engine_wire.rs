@@ -137,7 +137,8 @@ impl<'a> Rd<'a> {
         })
     }
 
-    fn str(&mut self) -> Option<&'a str> {
+    /// A str's bytes, not yet checked to be UTF-8.
+    fn str_bytes(&mut self) -> Option<&'a [u8]> {
         let n = match self.byte()? {
             m @ 0xa0..=0xbf => u64::from(m & 0x1f),
             0xd9 => self.be(1)?,
@@ -145,7 +146,21 @@ impl<'a> Rd<'a> {
             0xdb => self.be(4)?,
             _ => return None,
         };
-        std::str::from_utf8(self.take(usize::try_from(n).ok()?)?).ok()
+        self.take(usize::try_from(n).ok()?)
+    }
+
+    fn str(&mut self) -> Option<&'a str> {
+        std::str::from_utf8(self.str_bytes()?).ok()
+    }
+
+    /// A map key: matched against the known (ASCII) names as bytes; any
+    /// other must still be a str for the Python decoder to take it.
+    fn key(&mut self, known: &[&[u8]]) -> Option<&'a [u8]> {
+        let key = self.str_bytes()?;
+        if known.contains(&key) || std::str::from_utf8(key).is_ok() {
+            return Some(key);
+        }
+        None
     }
 
     fn float(&mut self) -> Option<f64> {
@@ -231,8 +246,7 @@ impl<'a> Rd<'a> {
         let n = self.array_len()?;
         let mut out = Vec::with_capacity(n * 4);
         for _ in 0..n {
-            let t = u32::try_from(self.int()?).ok()?;
-            out.extend_from_slice(&t.to_le_bytes());
+            out.extend_from_slice(&crate::msgpack_u32(&mut self.b)?.to_le_bytes());
         }
         Some(if out.is_empty() { None } else { Some(out) })
     }
@@ -369,7 +383,7 @@ const REMOVED_POSITIONS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx"];
 fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
     let n = rd.map_len()?;
     // The tag first: how every engine writes it.
-    if n == 0 || rd.str()? != "type" {
+    if n == 0 || rd.str_bytes()? != b"type" {
         return None;
     }
     let tag = rd.str()?;
@@ -379,7 +393,7 @@ fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
         "BlockStored" => {
             let mut ev = new_stored();
             for _ in 1..n {
-                let key = rd.str()?.as_bytes();
+                let key = rd.key(STORED_KEYS)?;
                 once(&mut seen, key, STORED_KEYS)?;
                 has_hashes |= key == b"block_hashes";
                 stored_field(rd, &mut ev, key)?;
@@ -389,7 +403,7 @@ fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
         "BlockRemoved" => {
             let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
             for _ in 1..n {
-                let key = rd.str()?.as_bytes();
+                let key = rd.key(REMOVED_KEYS)?;
                 once(&mut seen, key, REMOVED_KEYS)?;
                 has_hashes |= key == b"block_hashes";
                 removed_field(rd, &mut ev, key)?;

@@ -24,7 +24,7 @@
 
 use hashbrown::HashMap;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::engine_wire::{self, Event, Extra, Stored};
@@ -40,7 +40,7 @@ const NEED_CONTEXT: u8 = 1;
 const PYTHON: u8 = 2;
 
 /// Mediums whose tier is remembered (as `media.engine_tier` caches them).
-const MAX_MEDIUMS: usize = 256;
+const MAX_MEDIUMS: usize = 16;
 
 struct Ctx {
     id: usize,
@@ -95,7 +95,8 @@ type RunOut = (usize, u8, Option<u64>, f64, Vec<(&'static str, u64)>, Vec<(usize
 pub struct EngineLane {
     full_kinds: Vec<String>,
     engine_tier: Py<PyAny>,
-    mediums: HashMap<Option<String>, Option<usize>>,
+    /// (medium, tier) as `media.engine_tier` answered: a handful, scanned.
+    mediums: Vec<(Option<String>, Option<usize>)>,
     by_sig: HashMap<Vec<u8>, usize>,
     ctxs: Vec<Option<Ctx>>,
     free: Vec<usize>,
@@ -142,7 +143,9 @@ fn read_record<'a>(item: &'a Bound<'_, PyAny>, sig: &mut Vec<u8>) -> PyResult<Op
     }
     let (key, headers, value) = (t.get_borrowed_item(1)?, t.get_borrowed_item(2)?, t.get_borrowed_item(3)?);
     let (Ok(key), Ok(value)) = (key.cast::<PyBytes>(), value.cast::<PyBytes>()) else { return Ok(None) };
-    let Ok(now) = t.get_borrowed_item(4)?.extract::<f64>() else { return Ok(None) };
+    // A float, as the Python path would keep it (an int clock stays an int there).
+    let stamp = t.get_borrowed_item(4)?;
+    let Ok(now) = stamp.cast::<PyFloat>().map(|f| f.value()) else { return Ok(None) };
     // SAFETY: bytes objects are immutable and the tuple keeps them alive
     // for as long as `item` is borrowed.
     let key: &'a [u8] = unsafe { std::slice::from_raw_parts(key.as_bytes().as_ptr(), key.as_bytes().len()) };
@@ -275,13 +278,12 @@ impl Check<'_> {
 
 impl EngineLane {
     fn tier(&mut self, py: Python<'_>, medium: Option<&str>) -> PyResult<Option<usize>> {
-        let key = medium.map(str::to_owned);
-        if let Some(&t) = self.mediums.get(&key) {
-            return Ok(t);
+        if let Some((_, t)) = self.mediums.iter().find(|(m, _)| m.as_deref() == medium) {
+            return Ok(*t);
         }
         let t: Option<usize> = self.engine_tier.call1(py, (medium,))?.extract(py)?;
         if self.mediums.len() < MAX_MEDIUMS {
-            self.mediums.insert(key, t);
+            self.mediums.push((medium.map(str::to_owned), t));
         }
         Ok(t)
     }
@@ -429,7 +431,7 @@ impl EngineLane {
         EngineLane {
             full_kinds,
             engine_tier,
-            mediums: HashMap::new(),
+            mediums: Vec::new(),
             by_sig: HashMap::new(),
             ctxs: Vec::new(),
             free: Vec::new(),

@@ -141,7 +141,7 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> PyResult<Option<Bo
 /// `rmp`, which takes every integer encoding and checks the range (a
 /// generic read per token was half of this function's time).
 #[inline]
-fn msgpack_u32(rd: &mut &[u8]) -> Option<u32> {
+pub(crate) fn msgpack_u32(rd: &mut &[u8]) -> Option<u32> {
     let (&marker, rest) = rd.split_first()?;
     let (value, len) = match marker {
         0x00..=0x7f => (u32::from(marker), 0),
