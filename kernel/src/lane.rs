@@ -304,7 +304,7 @@ impl EngineLane {
         let Some(size) = st.size_of(ctx.slot) else { return Ok(None) };
         self.held.clear();
         self.last.clear();
-        let mut check = Check { st: &*st, ctx, held: &mut self.held, last: &mut self.last, size };
+        let mut check = Check { st: &st, ctx, held: &mut self.held, last: &mut self.last, size };
         for (ev, &tier) in events.iter().zip(tiers) {
             let ok = match ev {
                 Event::Stored(s) => check.stored(s, tier),
