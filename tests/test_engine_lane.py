@@ -25,7 +25,7 @@ from kvconductor.core import Conductor, Incoming, Notice
 from kvconductor.errors import BadRecord
 from kvconductor.index import IndexLimits
 from kvconductor.kernel import KERNEL
-from kvconductor.media import DEVICE
+from kvconductor.media import DEVICE, HOST
 from kvconductor.namespace_index import namespace_key
 from kvconductor.packing import unpack_u64
 from kvconductor.snapshots import state_fingerprint
@@ -204,13 +204,37 @@ class _Fleet:
             ev["group_idx"] = 1
         return ev
 
-    def held(self, owner: tuple[str, str, int]) -> set[int]:
+    def offloaded(self, owner: tuple[str, str, int], held: set[int]) -> dict[str, Any]:
+        """vLLM's CPU offload: device blocks not on the host yet stored there
+        by hash alone (block size 0), or a host block evicted."""
+        rng = self.rng
+        host = self.held(owner, HOST)
+        if host and rng.random() < 0.3:
+            return {
+                "type": "BlockRemoved",
+                "block_hashes": [rng.choice(sorted(host))],
+                "medium": "CPU",
+            }
+        fresh = sorted(held - host) or sorted(held)
+        picked = rng.sample(fresh, min(len(fresh), rng.randrange(1, 4)))
+        if rng.random() < 0.1:
+            picked.append(rng.getrandbits(64))  # content never seen: it waits
+        return {
+            "type": "BlockStored",
+            "block_hashes": picked,
+            "parent_block_hash": None,
+            "token_ids": [],
+            "block_size": 0,
+            "medium": "CPU",
+        }
+
+    def held(self, owner: tuple[str, str, int], tier: int = DEVICE) -> set[int]:
         inst, model, rank = owner
         ns = self.truth.index.namespaces.get(namespace_key("default", model, BS, None, ""))
         o = ns.owners.get(inst, {}).get(rank) if ns is not None else None
         if o is None:
             return set()
-        return set(unpack_u64(ns.store.export_owner(o.slot, DEVICE)[0]))
+        return set(unpack_u64(ns.store.export_owner(o.slot, tier)[0]))
 
     def record(self) -> Incoming:
         rng = self.rng
@@ -241,8 +265,10 @@ class _Fleet:
         held = self.held(owner)
         for _ in range(rng.choice([1, 1, 2, 3, 5])):
             kind = rng.random()
-            if kind < 0.55:
+            if kind < 0.5:
                 events.append(self.stored(owner, held))
+            elif kind < 0.58 and held:
+                events.append(self.offloaded(owner, held))
             elif kind < 0.99:
                 events.append(self.removed(owner, held))
             else:

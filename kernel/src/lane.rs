@@ -8,8 +8,10 @@
 //! outside `engine_wire`'s subset, a record whose instance, namespace or
 //! owner has no context yet (`NEED_CONTEXT`: the caller builds one or
 //! applies the record itself), or any event that would need the Python
-//! path's rules (copies, pending halves, groups, a new or emptied owner,
-//! capacity, an unknown medium, a parent the store does not hold...).
+//! path's rules (copies, a pending half completed, cancelled or expired,
+//! groups, a new or emptied owner,
+//! capacity, an unknown medium, a parent or a token-less store's content
+//! the store does not hold...).
 //! Each record is checked whole before any of it is applied, so a record
 //! the lane stops at is untouched and the caller applies it the Python way.
 //!
@@ -20,7 +22,7 @@
 //! only the lane applies that instance's records; the caller forgets an
 //! instance's contexts whenever it applies one of its records itself, and
 //! all of them when the index changes another way. The namespace's pending
-//! queue is read live: the lane never adds to it, everything else may.
+//! halves are read live: the lane never adds to them, everything else may.
 
 use hashbrown::HashMap;
 use pyo3::prelude::*;
@@ -46,8 +48,14 @@ struct Ctx {
     id: usize,
     sig: Vec<u8>,
     store: Py<BlockStore>,
-    /// The namespace's pending entries (`PendingQueue._entries`).
+    /// The namespace's pending halves: `PendingQueue.entries` (key ->
+    /// arrival time, oldest first) and what its blocks wait for
+    /// (`waiting`, `children`, `unresolved`, keyed by sequence hash).
     pending: Py<PyDict>,
+    waiting: Py<PyDict>,
+    children: Py<PyDict>,
+    unresolved: Py<PyDict>,
+    max_pending_age: f64,
     slot: usize,
     block_size: usize,
     seed: u64,
@@ -199,6 +207,23 @@ struct Check<'s> {
     /// Hashes stored (true) or removed (false) by the record so far, in any tier.
     last: &'s mut HashMap<u64, bool>,
     size: usize,
+    /// With pending halves in the namespace: what they wait for.
+    busy: Option<Waits<'s, 's>>,
+}
+
+/// A namespace's pending halves, keyed by the hashes they wait on.
+struct Waits<'a, 'py> {
+    waiting: &'a Bound<'py, PyDict>,
+    children: &'a Bound<'py, PyDict>,
+    unresolved: &'a Bound<'py, PyDict>,
+}
+
+impl Waits<'_, '_> {
+    /// Whether content learnt for `seq` would complete a pending half
+    /// (`NamespaceIndex._learn`): the Python path's.
+    fn learns(&self, seq: u64) -> PyResult<bool> {
+        Ok(self.waiting.contains(seq)? || self.children.contains(seq)? || self.unresolved.contains(seq)?)
+    }
 }
 
 impl Check<'_> {
@@ -219,7 +244,7 @@ impl Check<'_> {
             Extra::Plain(k) => k == n,
             Extra::Keyed => false,
         };
-        let tokens = ev.tokens.as_ref()?;
+        let fits = ev.tokens.as_ref().is_none_or(|t| t.len() >= n * ctx.block_size * 4);
         if n == 0
             || ev.group_idx.unwrap_or(0) != 0
             || !kind_ok
@@ -228,19 +253,33 @@ impl Check<'_> {
             || ev.lora_name.is_some_and(|l| !l.is_empty())
             || !plain
             || (ctx.pool_mode && tier != DEVICE)
-            || tokens.len() < n * ctx.block_size * 4
+            || !fits
             || self.size + n > ctx.max_blocks
         {
             return None;
         }
-        if let Some(p) = ev.parent {
-            // Held content is never expired or evicted before the store reads it.
-            let ok = match self.last.get(&p) {
+        // A chain hangs from its parent's content; a token-less store (an
+        // offload's) names content by its hashes, which must be known.
+        // Held content is never expired or evicted before the store reads it.
+        let needed: &[u64] = match (&ev.tokens, &ev.parent) {
+            (Some(_), Some(p)) => std::slice::from_ref(p),
+            (Some(_), None) => &[],
+            (None, _) => &ev.hashes,
+        };
+        for &h in needed {
+            let known = match self.last.get(&h) {
                 Some(&stored) => stored,
-                None => self.st.is_held(p),
+                None => self.st.is_held(h),
             };
-            if !ok {
+            if !known {
                 return None;
+            }
+        }
+        if let (Some(w), Some(_)) = (&self.busy, &ev.tokens) {
+            for &h in &ev.hashes {
+                if w.learns(h).unwrap_or(true) {
+                    return None;
+                }
             }
         }
         let held = ev.hashes.iter().filter(|&&h| self.holds(tier, h)).count();
@@ -269,6 +308,11 @@ impl Check<'_> {
                 self.held.insert((tier, h), false);
                 self.size -= 1;
                 self.last.insert(h, false);
+            } else if let Some(w) = &self.busy {
+                // A hash not held may cancel a wait (`_cancel_wait`).
+                if w.waiting.contains(h).unwrap_or(true) {
+                    return None;
+                }
             }
         }
         // An emptied owner leaves its namespace: the Python path's.
@@ -302,9 +346,29 @@ impl EngineLane {
         let store = ctx.store.bind(py);
         let mut st = store.borrow_mut();
         let Some(size) = st.size_of(ctx.slot) else { return Ok(None) };
+        let pending = ctx.pending.bind(py);
+        let (waiting, children, unresolved) =
+            (ctx.waiting.bind(py), ctx.children.bind(py), ctx.unresolved.bind(py));
+        let busy = if pending.is_empty() {
+            None
+        } else {
+            // A store's namespace expires its pending halves first
+            // (`NamespaceIndex.expire`): one that would go is the Python path's.
+            let index_now = if rec.now > *now { rec.now } else { *now };
+            let ns_now = if index_now > st.now() { index_now } else { st.now() };
+            let oldest = pending.as_any().try_iter()?.next().transpose()?;
+            if let Some(key) = oldest {
+                let ts: f64 = pending.as_any().get_item(key)?.extract()?;
+                let stores = events.iter().any(|e| matches!(e, Event::Stored(_)));
+                if stores && !(ts >= ns_now - ctx.max_pending_age) {
+                    return Ok(None);
+                }
+            }
+            Some(Waits { waiting, children, unresolved })
+        };
         self.held.clear();
         self.last.clear();
-        let mut check = Check { st: &st, ctx, held: &mut self.held, last: &mut self.last, size };
+        let mut check = Check { st: &st, ctx, held: &mut self.held, last: &mut self.last, size, busy };
         for (ev, &tier) in events.iter().zip(tiers) {
             let ok = match ev {
                 Event::Stored(s) => check.stored(s, tier),
@@ -323,20 +387,25 @@ impl EngineLane {
                 Event::Stored(s) => {
                     st.touch_expire(*now);
                     let n = s.hashes.len();
-                    let root = match s.parent {
-                        Some(p) => st.content(p).expect("a held parent"),
-                        None => ctx.seed,
+                    let root = match (s.parent, &s.tokens) {
+                        (Some(p), Some(_)) => st.content(p).expect("a held parent"),
+                        _ => ctx.seed,
                     };
                     let step = ctx.block_size * 4;
-                    let tokens = s.tokens.as_deref().unwrap_or_default();
-                    let mut ident = root;
-                    let idents: Vec<u64> = tokens[..n * step]
-                        .chunks_exact(step)
-                        .map(|block| {
-                            ident = xxh3_64_with_seed(block, ident);
-                            ident
-                        })
-                        .collect();
+                    let idents: Vec<u64> = match s.tokens.as_deref() {
+                        Some(tokens) => {
+                            let mut ident = root;
+                            tokens[..n * step]
+                                .chunks_exact(step)
+                                .map(|block| {
+                                    ident = xxh3_64_with_seed(block, ident);
+                                    ident
+                                })
+                                .collect()
+                        }
+                        // The catalog's, as placing with no identities takes them.
+                        None => s.hashes.iter().map(|&h| st.content(h).expect("held content")).collect(),
+                    };
                     let room = ctx.max_blocks as i64 - st.size_of(ctx.slot).unwrap_or_default() as i64;
                     let (placed, conflicts) = st.place_known(ctx.slot, tier, &s.hashes, &idents, room)?;
                     self.counters[HASH_CONFLICTS] += conflicts as u64;
@@ -475,13 +544,7 @@ impl EngineLane {
                 self.miss = Some((sig.clone(), rec.key.to_vec()));
                 break (i, NEED_CONTEXT, batch.dp_rank);
             };
-            let (pending, rank) = {
-                let ctx = self.ctxs[c].as_ref().expect("a live context");
-                (ctx.pending.bind(py).len(), ctx.rank)
-            };
-            if pending != 0 {
-                break (i, PYTHON, None);
-            }
+            let rank = self.ctxs[c].as_ref().expect("a live context").rank;
             tiers.clear();
             let mut known = true;
             for ev in &batch.events {
@@ -518,13 +581,17 @@ impl EngineLane {
     /// its instance's `name`, the owner's `slot` in `store` for `rank`,
     /// and the facts the caller checked (see the module doc).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (id, name, store, pending, slot, block_size, seed, max_blocks, pool_mode, kind0, rank, last_seq))]
+    #[pyo3(signature = (id, name, store, pending, waiting, children, unresolved, max_pending_age, slot, block_size, seed, max_blocks, pool_mode, kind0, rank, last_seq))]
     fn add_context(
         &mut self,
         id: usize,
         name: Py<PyString>,
         store: Py<BlockStore>,
         pending: Py<PyDict>,
+        waiting: Py<PyDict>,
+        children: Py<PyDict>,
+        unresolved: Py<PyDict>,
+        max_pending_age: f64,
         slot: usize,
         block_size: usize,
         seed: u64,
@@ -545,6 +612,10 @@ impl EngineLane {
             sig: sig.clone(),
             store,
             pending,
+            waiting,
+            children,
+            unresolved,
+            max_pending_age,
             slot,
             block_size,
             seed,
