@@ -360,7 +360,10 @@ impl EngineLane {
             if let Some(key) = oldest {
                 let ts: f64 = pending.as_any().get_item(key)?.extract()?;
                 let stores = events.iter().any(|e| matches!(e, Event::Stored(_)));
-                if stores && !(ts >= ns_now - ctx.max_pending_age) {
+                // `PendingQueue.expire` keeps the head while `ts >= cutoff`
+                // (so a NaN clock expires it).
+                let kept = ts.partial_cmp(&(ns_now - ctx.max_pending_age)).is_some_and(|o| o.is_ge());
+                if stores && !kept {
                     return Ok(None);
                 }
             }
