@@ -326,15 +326,23 @@ def markdown(result: dict[str, Any]) -> str:
             "## 1. Apply throughput (one process, fresh index)",
             "",
             f"The first {apply['requests']:,} requests of the workload, "
-            f"{len(next(iter(apply['rate'].values()))['runs'])} runs per peer.",
+            f"{len(next(iter(apply['rate'].values()))['runs'])} runs per peer, each "
+            "timed after a cold pass in the same process (its rate beside it). "
+            "Records carry one vLLM payload a request here: per block, not per "
+            "event, is this figure's unit (figure 7 has vLLM's own shapes).",
             "",
-            "| peer | block events | block events/s | vs dynamo |",
-            "|---|---|---|---|",
+            "| peer | block events | block events/s | records/s | events/s | us a record "
+            "| cold pass, block events/s | vs dynamo |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for peer, s in apply["rate"].items():
             ratio = apply["ratio"].get(f"{peer}/dynamo")
+            u = apply.get("per_unit", {}).get(peer, {})
+            cold = apply.get("cold_rate", {}).get(peer)
             lines.append(
-                f"| {peer} | {apply['block_events'][peer]:,} | {_ms(s)} | {_ratio(ratio)} |"
+                f"| {peer} | {apply['block_events'][peer]:,} | {_ms(s)} | "
+                f"{_ms(u.get('records_per_s'))} | {_ms(u.get('events_per_s'))} | "
+                f"{_ms(u.get('us_per_record'), 1)} | {_ms(cold)} | {_ratio(ratio)} |"
             )
     scale = result.get("scale")
     if scale:
@@ -439,6 +447,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{many['p99_us']:,.0f} | {many['qps']:,.0f} |",
         ]
     lines += _e2e_section(result.get("e2e", {}))
+    lines += _ingest_section(result.get("ingest", {}))
     missing = [
         f"- {name}: {result.get(name, {}).get('reason', 'n/a')}"
         for name in ("http", "e2e")
@@ -448,6 +457,74 @@ def markdown(result: dict[str, Any]) -> str:
     if missing:
         lines += ["", "## Not measured yet", "", *missing]
     return "\n".join(lines) + "\n"
+
+
+def _ingest_section(fig: dict[str, Any]) -> list[str]:
+    if not fig.get("measured"):
+        return []
+    shape, st = fig["shape"], fig["stats"]
+    rs = st["shape_of_records"]
+    eng = st["engine"]
+    lines = [
+        "",
+        "## 7. Ingest of vLLM-shaped records",
+        "",
+        f"A vLLM fleet (`bench/vllm_engine.py`): {st['steps']:,} engine steps of "
+        f"{fig['stats'].get('instances', '?')} instances ({eng['max_num_seqs']} running "
+        f"requests, {eng['max_batched_tokens']:,} tokens a step, {eng['gpu_blocks']:,} "
+        f"GPU blocks each), {st['requests']:,} requests, {st['preemptions']:,} preemptions; "
+        f"{rs['events_per_record']:.2f} events a record, {rs['hashes_per_store']:.2f} hashes "
+        f"a store, {rs['hashes_per_removal']:.2f} a removal. Timed: the last "
+        f"{shape['records']:,} records ({shape['events']:,} events, {shape['blocks']:,} "
+        f"block events) on the index the first {fig['build_records']:,} built. "
+        "Read events/s: a record is one engine step and an event one store or removal, "
+        "whatever its hashes; block events/s counts each hash and flatters "
+        "whoever is fed long stores.",
+        "",
+        "| peer | records/s | events/s | block events/s | us a record | us an event |",
+        "|---|---|---|---|---|---|",
+    ]
+    for peer, u in fig["peers"].items():
+        lines.append(
+            f"| {peer} (in process) | {_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
+            f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
+            f"{_ms(u['us_per_event'], 2)} |"
+        )
+    pre = fig.get("prequeued", {})
+    if pre.get("measured"):
+        u = pre["per_unit"]
+        lines.append(
+            f"| kvconductor run, {pre['records']:,} records prequeued on "
+            f"{pre['partitions']} partitions | {_ms(u['records_per_s'])} | "
+            f"{_ms(u['events_per_s'])} | {_ms(u['blocks_per_s'])} | "
+            f"{_ms(u['us_per_record'], 1)} | {_ms(u['us_per_event'], 2)} |"
+        )
+    standalone = fig.get("dynamo_indexer", {})
+    if standalone.get("measured"):
+        u = standalone["per_unit"]
+        lines.append(
+            f"| Dynamo's standalone indexer (ZMQ, {standalone['threads']} threads) | "
+            f"{_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
+            f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
+            f"{_ms(u['us_per_event'], 2)} |"
+        )
+    lines.append("")
+    for name, ratio in fig["ratio"].items():
+        lines.append(f"- {name}, in process: {_ratio(ratio)} (pair by pair)")
+    for name, ratio in fig.get("real_ratio", {}).items():
+        lines.append(f"- {name}: {_ratio(ratio)} (pair by pair)")
+    agree = fig.get("agreement", {})
+    for name, (same, n) in ((k, v) for k, v in agree.items() if k != "reference"):
+        lines.append(f"- device answers equal to {agree['reference']}'s: {name} {same}/{n}")
+    for what in ("prequeued", "dynamo_indexer"):
+        part = fig.get(what, {})
+        if part.get("measured"):
+            lines.append(
+                f"- {what}: answers identical to the in-process index: {part['identical']}"
+            )
+        elif part:
+            lines.append(f"- {what}: not measured ({part.get('reason')})")
+    return lines
 
 
 def _e2e_section(e2e: dict[str, Any]) -> list[str]:

@@ -53,6 +53,12 @@ class Options:
     bootstrap: str | None = None  # a running broker for restore and e2e: none started
     warm_bytes: int = 3 << 30  # fresh memory touched once before measuring
     peers: tuple[str, ...] = ALL_PEERS
+    # Figure 7: ingest of vLLM-shaped records (bench.vllm_engine), in process
+    # and, with e2e, through the broker into the daemon (records prequeued).
+    vllm: bool = True
+    vllm_entries: int = 1_000_000
+    vllm_repeats: int = 3
+    vllm_prequeued_repeats: int = 3
     trace: str | None = None
     trace_limit: int | None = None
     out: str = "bench-results"
@@ -79,6 +85,8 @@ class Options:
             e2e_repeats=2,
             e2e_seconds=4.0,
             e2e_warmups=0,
+            vllm_entries=100_000,
+            vllm_prequeued_repeats=1,
             warm_bytes=512 << 20,
         )
 
@@ -226,6 +234,36 @@ def _e2e(
     return out
 
 
+def _ingest(
+    bootstrap: str | None, peers: tuple[str, ...], opts: Options, log: Log
+) -> dict[str, Any]:
+    """Figure 7 on a vLLM fleet of its own (`bench.vllm_engine`)."""
+    if not opts.vllm:
+        return {"measured": False, "reason": "skipped (--no-vllm)"}
+    from bench.ingest import ingest_figure
+    from bench.vllm_engine import FleetConfig, fleet_workload
+
+    log(f"figure 7: ingest of vLLM-shaped records ({opts.vllm_entries:,} entries)")
+    fleet = FleetConfig.for_entries(opts.vllm_entries, seed=opts.seed)
+    w = fleet_workload(fleet, opts.vllm_entries, churn=0.5, queries=opts.curve_queries)
+    log(f"  {w.stats}")
+    out = ingest_figure(w, peers, opts.vllm_repeats, log)
+    if not opts.e2e or bootstrap is None or "kvconductor" not in peers:
+        why = "no broker" if opts.e2e and bootstrap is None else "skipped (--no-e2e or --quick)"
+        out["prequeued"] = {"measured": False, "reason": why}
+    else:
+        from bench.e2e import prequeued_figure
+
+        runs = opts.vllm_prequeued_repeats
+        log(f"  the real path: records prequeued, then the daemon ({runs} runs)")
+        out["prequeued"] = prequeued_figure(w, bootstrap, runs, Path(opts.out) / "e2e-logs", log)
+    for name, ratio in out["ratio"].items():
+        log(f"  ingest {name}: {ratio['median']:.2f}x (time ratio, pair by pair)")
+    del w
+    gc.collect()
+    return out
+
+
 def run(opts: Options, log: Log = print) -> dict[str, Any]:
     started = time.time()
     t0 = time.perf_counter()
@@ -278,6 +316,7 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
             reason = "skipped (--no-restore or --quick)" if not opts.restore else "no broker"
             result["restore"] = {"measured": False, "reason": reason}
         result["e2e"] = _e2e(w, bootstrap, result["apply"], peers, opts, log)
+        result["ingest"] = _ingest(bootstrap, peers, opts, log)
 
     if opts.http_requests > 0 and "kvconductor" in peers:
         result["http"] = http_figure(w, opts.http_requests, log)

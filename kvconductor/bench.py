@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="workload seed")
     p.add_argument("--trace", help="a Mooncake trace (JSON lines) instead of the generator")
     p.add_argument("--trace-limit", type=int, help="replay only the first N trace requests")
+    p.add_argument(
+        "--no-vllm", action="store_true", help="skip figure 7 (ingest of vLLM-shaped records)"
+    )
+    p.add_argument("--vllm-entries", type=int, help="index size of the vLLM fleet of figure 7")
     p.add_argument("--no-restore", action="store_true", help="skip the restore figure")
     p.add_argument("--restore", action="store_true", help="measure restore even with --quick")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end figure")
@@ -85,6 +89,7 @@ def options_from(args: argparse.Namespace, suite: Any) -> Options:
         "fixed_curve",
         "seed",
         "trace_limit",
+        "vllm_entries",
     ):
         value = getattr(args, name)
         if value is not None:
@@ -95,6 +100,8 @@ def options_from(args: argparse.Namespace, suite: Any) -> Options:
         opts.peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
     if args.trace:
         opts.trace = args.trace
+    if args.no_vllm:
+        opts.vllm = False
     if args.no_restore:
         opts.restore = False
     elif args.restore:
