@@ -791,55 +791,43 @@ async def _timed_backlog(
         await asyncio.sleep(BACKLOG_SCRAPE_S)
 
 
-def prequeued_figure(
+def prequeued_run(
     w: Workload,
     bootstrap: str,
-    repeats: int,
+    prompts: Sequence[list[int]],
+    expected: list[Any],
     logs: Path,
-    log: Callable[[str], None] = print,
-    check: int = 50,
 ) -> dict[str, Any]:
-    """The real path on a backlog: every record of `w` produced to fresh
-    topics first, then `kvconductor run` started on them and timed until
-    /metrics shows all consumed; its answers then checked against an
-    in-process index fed the same records."""
+    """The real path on a backlog, one run: every record of `w` produced to
+    fresh topics first, then `kvconductor run` started on them and timed
+    until /metrics shows all consumed; its answers to `prompts` must then
+    be `expected` (an in-process index's, fed the same records).
+
+    The clock starts at the first scrape that sees a record consumed, so
+    the daemon's start is left out, and so are the records it consumed
+    before that scrape (the stream's first ones: per_unit counts the last
+    records consumed)."""
     records = w.streams.records
-    prompts = [q.tolist() for q in w.queries[:check]]
-    expected = forked(lambda: _reference(w, records, prompts))
-    logs.mkdir(parents=True, exist_ok=True)
     cfg = w.config
-    runs = []
-    for r in range(repeats):
-        res = forked(
-            lambda: _frozen_run(
-                _prequeued_run(bootstrap, records, prompts, cfg.model, cfg.block_size, logs)
-            )
+    logs.mkdir(parents=True, exist_ok=True)
+    res = forked(
+        lambda: _frozen_run(
+            _prequeued_run(bootstrap, records, prompts, cfg.model, cfg.block_size, logs)
         )
-        res["identical"] = res.pop("answers") == expected
-        runs.append(res)
-        counted = records[len(records) - res["records"] :]
-        shape = {
-            "records": len(counted),
-            "events": sum(x.events for x in counted),
-            "blocks": sum(x.blocks for x in counted),
-        }
-        res.update(per_unit(shape, res["seconds"]) if res["seconds"] > 0 else {})
-        res["shape"] = shape
-        log(
-            f"  prequeued run {r + 1}/{repeats}: {shape['records']:,} records "
-            f"({shape['events']:,} events) in {res['seconds']:.2f} s = "
-            f"{res.get('events_per_s', 0):,.0f} events/s, "
-            f"{res.get('records_per_s', 0):,.0f} records/s; daemon CPU "
-            f"{res['daemon_cpu_s']:.1f} s; answers identical: {res['identical']}"
-        )
-    keys = ("records_per_s", "events_per_s", "blocks_per_s", "us_per_record", "us_per_event")
-    return {
-        "measured": True,
-        "records": len(records),
-        "partitions": DaemonProcess.PARTITIONS,
-        "per_unit": {k: summary([x[k] for x in runs if k in x]) for k in keys},
-        "identical": all(x["identical"] for x in runs),
-        "bad_records": sum(x["bad_records"] for x in runs),
-        "exit_codes": [x["exit_code"] for x in runs],
-        "runs": runs,
+    )
+    res["identical"] = res.pop("answers") == expected
+    counted = records[len(records) - res["records"] :]
+    shape = {
+        "records": len(counted),
+        "events": sum(x.events for x in counted),
+        "blocks": sum(x.blocks for x in counted),
     }
+    res["shape"] = shape
+    if res["seconds"] > 0:
+        res.update(per_unit(shape, res["seconds"]))
+    return res
+
+
+def reference_answers(w: Workload, prompts: Sequence[list[int]]) -> list[Any]:
+    """An in-process index's answers after every record of `w`."""
+    return forked(lambda: _reference(w, w.streams.records, prompts))

@@ -13,8 +13,9 @@ where a fleet's indexer spends its life.
 - `naive`: the obvious per-worker sets.
 
 The real path (records pre-produced to the daemon's topics, then
-`kvconductor run` consuming them) is `bench.e2e.prequeued_figure`, and
-Dynamo's standalone indexer fed over ZMQ is `bench.dynamo_indexer`.
+`kvconductor run` consuming them) is `bench.e2e.prequeued_run`, and
+Dynamo's standalone indexer fed over ZMQ is `bench.dynamo_indexer`; both
+run interleaved in `real_path_figure`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from bench.cluster import Record
 from bench.measure import forked, summary
 from bench.peers import make_peer, peer_items
 from bench.runners import agreement, device_answers, per_unit, run_order, sync
@@ -41,12 +44,7 @@ def split(w: Workload) -> int:
 
 
 def timed_shape(w: Workload) -> dict[str, int]:
-    records = w.streams.records[split(w) :]
-    return {
-        "records": len(records),
-        "events": sum(r.events for r in records),
-        "blocks": sum(r.blocks for r in records),
-    }
+    return _shape(w.streams.records[split(w) :])
 
 
 def _child(w: Workload, name: str, check: bool) -> dict[str, Any]:
@@ -114,3 +112,114 @@ def ingest_figure(
         "ratio": ratios,
         "agreement": agreement({n: runs[n][0] for n in names}),
     }
+
+
+UNITS = ("records_per_s", "events_per_s", "blocks_per_s", "us_per_record", "us_per_event")
+
+
+def real_path_figure(
+    w: Workload,
+    bootstrap: str | None,
+    dynamo: str | None,
+    repeats: int,
+    logs: Path,
+    log: Callable[[str], None] = print,
+    dynamo_python: str | None = None,
+    check: int = 50,
+) -> dict[str, Any]:
+    """kvconductor's real path (records prequeued on the broker, then the
+    daemon) and Dynamo's standalone indexer (fed over ZMQ), in interleaved
+    runs on the same records; the ratio of their rates run by run.
+    `bootstrap` None leaves kvconductor's out, `dynamo` (why the indexer
+    cannot run) Dynamo's."""
+    from bench.e2e import DaemonProcess, prequeued_run, reference_answers
+
+    records = w.streams.records
+    prompts = [q.tolist() for q in w.queries[:check]]
+    full = reference_answers(w, prompts) if bootstrap is not None else []
+    device = forked(lambda: _device_reference(w, check)) if dynamo is None else []
+    logs.mkdir(parents=True, exist_ok=True)
+    kvc: list[dict[str, Any]] = []
+    dyn: list[dict[str, Any]] = []
+    for r in range(repeats):
+        if bootstrap is not None:
+            res = prequeued_run(w, bootstrap, prompts, full, logs)
+            kvc.append(res)
+            log(f"  real path run {r + 1}/{repeats} kvconductor run: {_line(res)}")
+        if dynamo is None:
+            from bench.dynamo_indexer import THREADS, standalone_run
+
+            got = forked(
+                lambda r=r: standalone_run(  # type: ignore[misc]
+                    w, records, prompts, logs / f"dynamo-indexer-{r}.log", dynamo_python
+                )
+            )
+            answers = got.pop("answers")
+            got["identical"] = answers == device
+            got["same_answers"] = sum(1 for a, b in zip(answers, device, strict=True) if a == b)
+            got["shape"] = timed = _shape(records)
+            got.update(per_unit(timed, got["seconds"]))
+            dyn.append(got)
+            log(
+                f"  real path run {r + 1}/{repeats} dynamo.indexer: {_line(got)} "
+                f"(sending them into its sockets beforehand took {got['send_s']:.2f} s)"
+            )
+    out: dict[str, Any] = {}
+    if bootstrap is not None:
+        out["prequeued"] = {
+            "measured": True,
+            "records": len(records),
+            "partitions": DaemonProcess.PARTITIONS,
+            "per_unit": {k: summary([x[k] for x in kvc if k in x]) for k in UNITS},
+            "identical": all(x["identical"] for x in kvc),
+            "bad_records": sum(x["bad_records"] for x in kvc),
+            "exit_codes": [x["exit_code"] for x in kvc],
+            "runs": kvc,
+        }
+    if dynamo is None:
+        out["dynamo_indexer"] = {
+            "measured": True,
+            "threads": THREADS,
+            "per_unit": {k: summary([x[k] for x in dyn]) for k in UNITS},
+            # Device answers equal to kvconductor's in-process index's (the
+            # indexer keeps no copy counts, so where vLLM held two copies of
+            # a block and evicted one they may differ).
+            "identical": all(x["identical"] for x in dyn),
+            "same_answers": [min(x["same_answers"] for x in dyn), len(device)],
+            "runs": dyn,
+        }
+    else:
+        out["dynamo_indexer"] = {"measured": False, "reason": dynamo}
+    if kvc and dyn:
+        pairs = zip(kvc, dyn, strict=True)
+        out["ratio_real"] = {
+            "kvconductor run/dynamo.indexer": summary(
+                [a["events_per_s"] / b["events_per_s"] for a, b in pairs if "events_per_s" in a]
+            )
+        }
+    return out
+
+
+def _device_reference(w: Workload, check: int) -> list[list[tuple[int, int]]]:
+    peer = make_peer("kvconductor", w)
+    peer.apply(peer.prepare(peer.items(w)))
+    return device_answers(peer, w.queries[:check])
+
+
+def _shape(records: Sequence[Record]) -> dict[str, int]:
+    return {
+        "records": len(records),
+        "events": sum(r.events for r in records),
+        "blocks": sum(r.blocks for r in records),
+    }
+
+
+def _line(res: dict[str, Any]) -> str:
+    s = res["shape"]
+    if "events_per_s" not in res:
+        return f"{s['records']:,} records, too fast to time at this size"
+    return (
+        f"{s['records']:,} records ({s['events']:,} events) in {res['seconds']:.2f} s = "
+        f"{res['events_per_s']:,.0f} events/s, {res['records_per_s']:,.0f} records/s; "
+        f"answers identical: {res['identical']}"
+    )

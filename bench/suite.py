@@ -59,6 +59,9 @@ class Options:
     vllm_entries: int = 1_000_000
     vllm_repeats: int = 3
     vllm_prequeued_repeats: int = 3
+    # An interpreter with PyPI ai-dynamo-runtime for dynamo.indexer (None:
+    # this one, which has it with the bench extra).
+    dynamo_python: str | None = None
     trace: str | None = None
     trace_limit: int | None = None
     out: str = "bench-results"
@@ -234,6 +237,20 @@ def _e2e(
     return out
 
 
+def _dynamo_indexer(peers: tuple[str, ...], opts: Options, log: Log) -> str | None:
+    """None when Dynamo's standalone indexer is measured, else why not (said once)."""
+    if "dynamo" not in opts.peers:
+        return "not among the peers"
+    from bench.dynamo_indexer import available
+
+    why = available(opts.dynamo_python)
+    if why is not None:
+        note = f"Dynamo's standalone indexer not measured ({why}); install the bench extra"
+        log(note)
+        opts.notes.append(note)
+    return why
+
+
 def _ingest(
     bootstrap: str | None, peers: tuple[str, ...], opts: Options, log: Log
 ) -> dict[str, Any]:
@@ -248,15 +265,34 @@ def _ingest(
     w = fleet_workload(fleet, opts.vllm_entries, churn=0.5, queries=opts.curve_queries)
     log(f"  {w.stats}")
     out = ingest_figure(w, peers, opts.vllm_repeats, log)
-    if not opts.e2e or bootstrap is None or "kvconductor" not in peers:
+    kvc = bootstrap if opts.e2e and "kvconductor" in peers else None
+    dynamo = _dynamo_indexer(peers, opts, log)
+    if kvc is None and dynamo is not None:
         why = "no broker" if opts.e2e and bootstrap is None else "skipped (--no-e2e or --quick)"
         out["prequeued"] = {"measured": False, "reason": why}
+        out["dynamo_indexer"] = {"measured": False, "reason": dynamo}
     else:
-        from bench.e2e import prequeued_figure
+        from bench.ingest import real_path_figure
 
         runs = opts.vllm_prequeued_repeats
-        log(f"  the real path: records prequeued, then the daemon ({runs} runs)")
-        out["prequeued"] = prequeued_figure(w, bootstrap, runs, Path(opts.out) / "e2e-logs", log)
+        log(
+            f"  the real paths: records prequeued then the daemon, and dynamo.indexer ({runs} runs)"
+        )
+        out.update(
+            real_path_figure(
+                w,
+                kvc,
+                dynamo,
+                runs,
+                Path(opts.out) / "e2e-logs",
+                log,
+                dynamo_python=opts.dynamo_python,
+            )
+        )
+        if kvc is None:
+            why = "no broker" if opts.e2e else "skipped (--no-e2e or --quick)"
+            out["prequeued"] = {"measured": False, "reason": why}
+        out["real_ratio"] = out.pop("ratio_real", {})
     for name, ratio in out["ratio"].items():
         log(f"  ingest {name}: {ratio['median']:.2f}x (time ratio, pair by pair)")
     del w

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-vllm", action="store_true", help="skip figure 7 (ingest of vLLM-shaped records)"
     )
     p.add_argument("--vllm-entries", type=int, help="index size of the vLLM fleet of figure 7")
+    p.add_argument(
+        "--dynamo-python",
+        metavar="PYTHON",
+        help="an interpreter with ai-dynamo-runtime, for Dynamo's standalone indexer",
+    )
     p.add_argument("--no-restore", action="store_true", help="skip the restore figure")
     p.add_argument("--restore", action="store_true", help="measure restore even with --quick")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end figure")
@@ -100,6 +105,8 @@ def options_from(args: argparse.Namespace, suite: Any) -> Options:
         opts.peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
     if args.trace:
         opts.trace = args.trace
+    if args.dynamo_python:
+        opts.dynamo_python = args.dynamo_python
     if args.no_vllm:
         opts.vllm = False
     if args.no_restore:

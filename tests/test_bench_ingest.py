@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import prequeued_figure
-from bench.ingest import ingest_figure
+from bench.dynamo_indexer import available
+from bench.ingest import ingest_figure, real_path_figure
 from bench.vllm_engine import EngineConfig, FleetConfig, fleet_workload
 from bench.workload import Workload
 
@@ -47,10 +47,22 @@ def test_ingest_figure_counts_records_events_and_blocks() -> None:
 
 
 @pytest.mark.kafka
-def test_the_daemon_takes_a_prequeued_backlog(kafka_bootstrap: str, tmp_path: Path) -> None:
+def test_the_real_paths_take_a_prequeued_backlog(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """The daemon on records prequeued on the broker and, when installed,
+    Dynamo's standalone indexer on the same records over ZMQ, one run each."""
     w = _tiny()
-    fig = prequeued_figure(w, kafka_bootstrap, 1, tmp_path / "logs", log=lambda _: None)
-    assert fig["identical"] is True
-    assert fig["bad_records"] == 0 and fig["exit_codes"] == [0]
-    (run,) = fig["runs"]
+    dynamo = available(None)
+    fig = real_path_figure(w, kafka_bootstrap, dynamo, 1, tmp_path / "logs", log=lambda _: None)
+    pre = fig["prequeued"]
+    assert pre["identical"] is True
+    assert pre["bad_records"] == 0 and pre["exit_codes"] == [0]
+    (run,) = pre["runs"]
     assert 0 < run["shape"]["records"] <= len(w.streams.records)
+    standalone = fig["dynamo_indexer"]
+    if dynamo is not None:
+        assert standalone == {"measured": False, "reason": dynamo}
+        return
+    (got,) = standalone["runs"]
+    assert got["events_applied"] == sum(r.events for r in w.streams.records)
+    same, compared = standalone["same_answers"]
+    assert same == compared > 0
