@@ -576,7 +576,7 @@ def _reference(w: Workload, records: Sequence[Record], prompts: Sequence[list[in
     return [peer.query(p) for p in prompts]
 
 
-def _frozen_run(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+def frozen_run(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     """`asyncio.run(main)` with the workload out of the collector's reach: a
     full collection over its millions of objects stopped the probe loop
     for longer than the figure's target, and that was counted as the
@@ -646,7 +646,7 @@ def e2e_figure(
     settled = warmups == 0
     while len(runs) < repeats:
         res = forked(
-            lambda: _frozen_run(_one_run(w, bootstrap, first, rest, prompts, seconds, logs))
+            lambda: frozen_run(_one_run(w, bootstrap, first, rest, prompts, seconds, logs))
         )
         res["identical"] = res.pop("answers") == expected
         if settled:
@@ -703,7 +703,7 @@ def e2e_figure(
     }
 
 
-async def _create_event_topics(bootstrap: str, daemon: DaemonProcess) -> None:
+async def create_event_topics(bootstrap: str, daemon: DaemonProcess) -> None:
     """The daemon's event topics, with its partition count, before it runs:
     records produced to them first wait there as a backlog."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -725,7 +725,7 @@ async def _prequeued_run(
     folder: Path,
 ) -> dict[str, Any]:
     daemon = DaemonProcess(bootstrap, folder)
-    await _create_event_topics(bootstrap, daemon)
+    await create_event_topics(bootstrap, daemon)
     producer = bridge_like_producer(bootstrap)
     await producer.start()
     try:
@@ -811,7 +811,7 @@ def prequeued_run(
     cfg = w.config
     logs.mkdir(parents=True, exist_ok=True)
     res = forked(
-        lambda: _frozen_run(
+        lambda: frozen_run(
             _prequeued_run(bootstrap, records, prompts, cfg.model, cfg.block_size, logs)
         )
     )

@@ -524,7 +524,29 @@ def _ingest_section(fig: dict[str, Any]) -> list[str]:
             )
         elif part:
             lines.append(f"- {what}: not measured ({part.get('reason')})")
-    return lines
+    return lines + _replay_lines(fig.get("replay", {}))
+
+
+def _replay_lines(rep: dict[str, Any]) -> list[str]:
+    if not rep.get("measured"):
+        return []
+    st = rep["stats"]
+    return [
+        "",
+        f"## 8. {st['trace']} at {rep['speed']:g}x its own rate, into the daemon",
+        "",
+        f"{st['requests']:,} requests over {st['trace_span_s']:,.0f} s of the trace, routed by "
+        f"{st['route']} over {st['instances']:,} instances: {rep['records']:,} records, "
+        f"{rep['events']:,} events, offered at {_n(rep['offered_events_per_s'])} events/s.",
+        "",
+        "| kept up | lag at most (records) | lag p99 (records) | catch-up after the last send "
+        "| query p50 / p99 / max (1 client) | daemon CPU |",
+        "|---|---|---|---|---|---|",
+        f"| {_met(rep['kept_up'])} | {rep['max_lag_records']:,} | {rep['p99_lag_records']:,.0f} "
+        f"| {rep['catch_up_s']:.2f} s | {rep['query_p50_ms']:.2f} / {rep['query_p99_ms']:.2f} / "
+        f"{rep['query_max_ms'] or 0:.2f} ms ({rep['queries']:,} queries) | "
+        f"{rep['daemon_cpu'] or 0:.0%} of a core |",
+    ]
 
 
 def _e2e_section(e2e: dict[str, Any]) -> list[str]:

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,12 @@ class Options:
     dynamo_python: str | None = None
     trace: str | None = None
     trace_limit: int | None = None
+    # A trace through vLLM's engine model (figures 7 and 8): the fleet it is
+    # routed over, how, each instance's pool, and the replay's speed-up.
+    trace_instances: int = 1000
+    trace_route: str = "session"
+    trace_gpu_blocks: int = 16_384
+    trace_speed: float = 1.0
     out: str = "bench-results"
     notes: list[str] = field(default_factory=list)
 
@@ -99,7 +105,7 @@ def _workload(opts: Options, entries: int, queries: int) -> Workload:
     if opts.trace:
         from bench.trace import trace_workload
 
-        return trace_workload(Path(opts.trace), cfg, limit=opts.trace_limit)
+        return trace_workload(Path(opts.trace), cfg, limit=opts.trace_limit, route=opts.trace_route)
     return generate(cfg)
 
 
@@ -237,6 +243,18 @@ def _e2e(
     return out
 
 
+def _replay(w: Workload, bootstrap: str | None, opts: Options, log: Log) -> dict[str, Any]:
+    """Figure 8: the trace at its own rate (times `trace_speed`) into the daemon."""
+    if not opts.trace:
+        return {"measured": False, "reason": "no --trace"}
+    if bootstrap is None:
+        return {"measured": False, "reason": "no broker (or --no-e2e / --quick)"}
+    from bench.replay import replay_figure
+
+    log(f"figure 8: {opts.trace} replayed into the daemon at {opts.trace_speed:g}x its rate")
+    return replay_figure(w, bootstrap, opts.trace_speed, Path(opts.out) / "e2e-logs", log)
+
+
 def _dynamo_indexer(peers: tuple[str, ...], opts: Options, log: Log) -> str | None:
     """None when Dynamo's standalone indexer is measured, else why not (said once)."""
     if "dynamo" not in opts.peers:
@@ -260,9 +278,22 @@ def _ingest(
     from bench.ingest import ingest_figure
     from bench.vllm_engine import FleetConfig, fleet_workload
 
-    log(f"figure 7: ingest of vLLM-shaped records ({opts.vllm_entries:,} entries)")
-    fleet = FleetConfig.for_entries(opts.vllm_entries, seed=opts.seed)
-    w = fleet_workload(fleet, opts.vllm_entries, churn=0.5, queries=opts.curve_queries)
+    if opts.trace:
+        from bench.trace import vllm_trace_workload
+
+        log(
+            f"figure 7: ingest of {opts.trace} through vLLM's engine model on "
+            f"{opts.trace_instances:,} instances (routed by {opts.trace_route})"
+        )
+        engine = replace(FleetConfig.engine_default(), gpu_blocks=opts.trace_gpu_blocks)
+        fleet = FleetConfig(seed=opts.seed, instances=opts.trace_instances, engine=engine)
+        w = vllm_trace_workload(
+            Path(opts.trace), fleet, opts.trace_route, opts.trace_limit, opts.curve_queries
+        )
+    else:
+        log(f"figure 7: ingest of vLLM-shaped records ({opts.vllm_entries:,} entries)")
+        fleet = FleetConfig.for_entries(opts.vllm_entries, seed=opts.seed)
+        w = fleet_workload(fleet, opts.vllm_entries, churn=0.5, queries=opts.curve_queries)
     log(f"  {w.stats}")
     out = ingest_figure(w, peers, opts.vllm_repeats, log)
     kvc = bootstrap if opts.e2e and "kvconductor" in peers else None
@@ -295,6 +326,7 @@ def _ingest(
         out["real_ratio"] = out.pop("ratio_real", {})
     for name, ratio in out["ratio"].items():
         log(f"  ingest {name}: {ratio['median']:.2f}x (time ratio, pair by pair)")
+    out["replay"] = _replay(w, kvc, opts, log)
     del w
     gc.collect()
     return out

@@ -83,7 +83,7 @@ class EngineConfig:
     report_full_share: float = 0.0  # requests with kv_cache_report_mode "full"
 
 
-class _Request:
+class Request:
     __slots__ = (
         "blocks",
         "cached",
@@ -99,7 +99,12 @@ class _Request:
     )
 
     def __init__(
-        self, session: _Session, chain: BlockChain, prompt: int, output: int, report_full: bool
+        self,
+        session: _Session | None,
+        chain: BlockChain,
+        prompt: int,
+        output: int,
+        report_full: bool = False,
     ) -> None:
         self.session = session
         self.tokens: Tokens = chain.tokens  # the prompt and the whole answer
@@ -129,16 +134,23 @@ class _Session:
 
 class BlockPool:
     """vLLM's `BlockPool` for one full-attention group: ref counts, cached
-    blocks by hash (copies allowed), and the LRU free queue."""
+    blocks by hash (copies allowed), and the LRU free queue.
+
+    vLLM's free queue starts as every block in id order, and freed blocks
+    join its tail, so the never-used blocks are handed out first: they are
+    a counter here (`fresh`), not queue entries, which keeps thousands of
+    large idle pools cheap."""
 
     def __init__(self, blocks: int) -> None:
-        self.ref = [0] * blocks
-        self.hash_of: list[int | None] = [None] * blocks
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(blocks))
+        self.size = blocks
+        self.fresh = 0  # blocks below this id were handed out at least once
+        self.ref: dict[int, int] = {}  # of the blocks in use
+        self.hash_of: dict[int, int] = {}  # of the cached blocks
+        self.free: OrderedDict[int, None] = OrderedDict()  # freed blocks, LRU first
         self.cached: dict[int, list[int]] = {}  # engine hash -> block ids holding it
 
     def num_free(self) -> int:
-        return len(self.free)
+        return self.size - self.fresh + len(self.free)
 
     def lookup(self, blocks: list[Block], limit: int) -> list[int]:
         """Block ids of the longest cached prefix among `blocks[:limit]`."""
@@ -155,24 +167,28 @@ class BlockPool:
         free = self.free
         ref = self.ref
         for i in ids:
-            if ref[i] == 0:
+            n = ref.get(i, 0)
+            if n == 0:
                 del free[i]
-            ref[i] += 1
+            ref[i] = n + 1
 
     def allocate(self, n: int, removed: Callable[[int], None]) -> list[int]:
         """`n` blocks off the free queue's head; each cached one is evicted."""
         pop = self.free.popitem
         out: list[int] = []
         for _ in range(n):
-            i = pop(last=False)[0]
-            h = self.hash_of[i]
-            if h is not None:
-                self.hash_of[i] = None
-                ids = self.cached[h]
-                ids.remove(i)
-                if not ids:
-                    del self.cached[h]
-                removed(h)
+            if self.fresh < self.size:
+                i = self.fresh
+                self.fresh += 1
+            else:
+                i = pop(last=False)[0]
+                h = self.hash_of.pop(i, None)
+                if h is not None:
+                    ids = self.cached[h]
+                    ids.remove(i)
+                    if not ids:
+                        del self.cached[h]
+                    removed(h)
             self.ref[i] = 1
             out.append(i)
         return out
@@ -182,13 +198,20 @@ class BlockPool:
         free = self.free
         ref = self.ref
         for i in reversed(ids):
-            ref[i] -= 1
-            if ref[i] == 0:
+            n = ref[i] - 1
+            if n:
+                ref[i] = n
+            else:
+                del ref[i]
                 free[i] = None
 
     def cache(self, i: int, h: int) -> None:
         self.hash_of[i] = h
         self.cached.setdefault(h, []).append(i)
+
+    def held(self, i: int) -> bool:
+        """Whether a request holds block `i` (it is not in the free queue)."""
+        return i in self.ref
 
 
 class Engine:
@@ -197,18 +220,25 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.pool = BlockPool(cfg.gpu_blocks)
-        self.running: list[_Request] = []
-        self.waiting: deque[_Request] = deque()
-        self.finished: list[_Request] = []
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.finished: list[Request] = []
         self.preemptions = 0
         self.evicted = 0
+        self.rejected = 0
         # The step's events, and the same as (parent, blocks) stores and
         # removed hashes for the peers that take another format.
         self.events: list[dict[str, object]] = []
         self.ops: list[tuple[int | None, list[Block]] | int] = []
 
-    def add(self, req: _Request) -> None:
+    def add(self, req: Request) -> bool:
+        """Queue a request; False when it could never fit in the pool (vLLM
+        refuses a request longer than its cache can hold)."""
+        if -(-(req.prompt + req.output) // self.cfg.block_size) > self.cfg.gpu_blocks:
+            self.rejected += 1
+            return False
         self.waiting.append(req)
+        return True
 
     # ----------------------------------------------------------- events
 
@@ -217,7 +247,7 @@ class Engine:
         self.events.append(removed_event([h], "GPU"))
         self.ops.append(h)
 
-    def _stored(self, req: _Request, start: int, end: int) -> None:
+    def _stored(self, req: Request, start: int, end: int) -> None:
         """`BlockStored` of the request's blocks [start, end)."""
         run = req.blocks[start:end]
         bs = self.cfg.block_size
@@ -228,7 +258,7 @@ class Engine:
 
     # ---------------------------------------------------------- the step
 
-    def _grow(self, req: _Request, todo: int) -> None:
+    def _grow(self, req: Request, todo: int) -> None:
         """Blocks for `todo` more tokens, then the blocks they fill cached."""
         bs = self.cfg.block_size
         pool = self.pool
@@ -245,10 +275,10 @@ class Engine:
             self._stored(req, req.cached, full)
             req.cached = full
 
-    def _needs(self, req: _Request, todo: int) -> int:
+    def _needs(self, req: Request, todo: int) -> int:
         return max(0, -(-(req.computed + todo) // self.cfg.block_size) - len(req.held))
 
-    def _preempt(self) -> _Request:
+    def _preempt(self) -> Request:
         victim = self.running.pop()
         self.pool.release(victim.held)
         victim.held = []
@@ -265,7 +295,7 @@ class Engine:
         pool = self.pool
         budget = cfg.max_batched_tokens
         preempted = False
-        scheduled: list[_Request] = []
+        scheduled: list[Request] = []
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -295,7 +325,7 @@ class Engine:
         self._sample(scheduled)
         return self.events
 
-    def _admit(self, req: _Request, budget: int) -> int:
+    def _admit(self, req: Request, budget: int) -> int:
         """Prefix lookup and allocation of a waiting request: the tokens
         scheduled for it, 0 when it has to wait."""
         pool = self.pool
@@ -304,7 +334,7 @@ class Engine:
         hit = pool.lookup(req.blocks, (known - 1) // bs)  # the last token is recomputed
         if req.report_full and hit:
             self._stored(req, 0, len(hit))
-        reusable = sum(1 for i in hit if pool.ref[i] == 0)
+        reusable = sum(1 for i in hit if not pool.held(i))
         if -(-known // bs) - len(hit) > pool.num_free() - reusable:
             return 0
         pool.touch(hit)
@@ -315,7 +345,7 @@ class Engine:
         self._grow(req, todo)
         return todo
 
-    def _sample(self, scheduled: list[_Request]) -> None:
+    def _sample(self, scheduled: list[Request]) -> None:
         """A request with every known token computed samples the next one;
         one that has its whole answer ends and frees its blocks."""
         for req in scheduled:
@@ -457,11 +487,13 @@ class VllmFleet:
         chain.extend(random_tokens(rng, output, cfg.vocab))
         report_full = rng.random() < cfg.engine.report_full_share
         self.requests += 1
-        self.engines[instance].add(_Request(session, chain, prompt, output, report_full))
+        if not self.engines[instance].add(Request(session, chain, prompt, output, report_full)):
+            self._schedule(instance, self._new_session(), rng.randint(*cfg.think_steps))
 
-    def _turn_done(self, instance: int, req: _Request) -> None:
+    def _turn_done(self, instance: int, req: Request) -> None:
         cfg = self.cfg
         session = req.session
+        assert session is not None
         # The next prompt holds the answer: the request's chain goes on.
         session.chain = BlockChain(cfg.engine.block_size, req.tokens, req.blocks)
         session.turns -= 1
@@ -472,7 +504,9 @@ class VllmFleet:
         self._schedule(instance, session, self.rng.randint(*cfg.think_steps))
 
     def live_chains(self) -> list[BlockChain]:
-        return self.recent + [r.session.chain for e in self.engines for r in e.running]
+        bs = self.cfg.engine.block_size
+        running = [BlockChain(bs, r.tokens, r.blocks) for e in self.engines for r in e.running]
+        return self.recent + running
 
     # ------------------------------------------------------------ steps
 
@@ -481,8 +515,12 @@ class VllmFleet:
         while self.due and self.due[0][0] <= self.steps:
             _, _, instance, session = heapq.heappop(self.due)
             self._start_turn(instance, session)
+        self._step_engines(range(len(self.engines)))
+
+    def _step_engines(self, which: Iterable[int]) -> None:
         ts = CLOCK_START + self.steps * STEP_S
-        for i, engine in enumerate(self.engines):
+        for i in which:
+            engine = self.engines[i]
             events = engine.step()
             if events:
                 self._emit(i, engine, events, ts + i * 1e-6)
@@ -577,9 +615,17 @@ def fleet_workload(
             sum(e.evicted for e in fleet.engines) >= evictions and fleet.entries() >= target_entries
         ):
             break
+    return fleet_workload_of(fleet, queries, query_tokens, started, churn)
+
+
+def fleet_workload_of(
+    fleet: VllmFleet, queries: int, query_tokens: int, started: float, churn: float = 0.0
+) -> Workload:
+    """The fleet's records as a workload, queries drawn from its sessions."""
+    cfg = fleet.cfg
     wcfg = WorkloadConfig(
         seed=cfg.seed,
-        target_entries=target_entries,
+        target_entries=fleet.entries(),
         instances=cfg.instances,
         gpu_blocks=cfg.engine.gpu_blocks,
         host_blocks=0,
@@ -612,6 +658,7 @@ def fleet_workload(
         "entries_by_tier": {"GPU": entries, "CPU": 0, "pool": 0},
         "gpu_evictions": sum(e.evicted for e in fleet.engines),
         "preemptions": sum(e.preemptions for e in fleet.engines),
+        "rejected": sum(e.rejected for e in fleet.engines),
         "shape_of_records": record_shape(s.records[:20_000]),
         "generate_s": round(time.perf_counter() - started, 3),
     }

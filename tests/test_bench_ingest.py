@@ -1,4 +1,5 @@
-"""Figure 7 at a tiny size: in process, and the real path through the broker.
+"""Figures 7 and 8 at a tiny size: in process, the real paths through the broker
+and Dynamo's standalone indexer, and a Mooncake trace slice routed and replayed.
 
 No timing is asserted: the numbers belong to `kvconductor bench`.
 """
@@ -11,8 +12,11 @@ import pytest
 
 from bench.dynamo_indexer import available
 from bench.ingest import ingest_figure, real_path_figure
-from bench.vllm_engine import EngineConfig, FleetConfig, fleet_workload
+from bench.replay import replay_figure
+from bench.trace import Router, read_trace, vllm_trace_workload
+from bench.vllm_engine import CLOCK_START, EngineConfig, FleetConfig, fleet_workload
 from bench.workload import Workload
+from kvconductor.core import Conductor, Incoming
 
 
 def _tiny() -> Workload:
@@ -66,3 +70,53 @@ def test_the_real_paths_take_a_prequeued_backlog(kafka_bootstrap: str, tmp_path:
     assert got["events_applied"] == sum(r.events for r in w.streams.records)
     same, compared = standalone["same_answers"]
     assert same == compared > 0
+
+
+TRACE = Path(__file__).parent / "fixtures" / "traces" / "conversation_trace-head200.jsonl"
+
+
+def test_the_trace_is_routed_by_conversation_or_in_turn() -> None:
+    reqs = list(read_trace(TRACE))[:40]
+    assert all(r.hash_ids[0] == 0 for r in reqs)  # why first-block routing cannot work
+    by_session = Router(7, "session")
+    placed: dict[int, int] = {}
+    for r in reqs:
+        inst = by_session(r)
+        if len(r.hash_ids) > 1:
+            assert placed.setdefault(r.hash_ids[1], inst) == inst
+    assert len(set(placed.values())) == 7
+    in_turn = Router(7, "round-robin")
+    assert [in_turn(r) for r in reqs[:9]] == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+
+
+def test_the_trace_runs_through_the_engine_model_at_its_own_times() -> None:
+    engine = EngineConfig(gpu_blocks=2048, max_num_seqs=16, max_batched_tokens=2048)
+    cfg = FleetConfig(instances=7, engine=engine)
+    w = vllm_trace_workload(TRACE, cfg, limit=30, queries=10, query_tokens=1024)
+    assert w.stats["requests"] == 30
+    keys = {r.key for r in w.streams.records}
+    assert 1 < len(keys) <= 7
+    ts = [r.ts for r in w.streams.records]
+    assert ts == sorted(ts)
+    # The slice's arrivals span its timestamps (ms), one engine step a 25 ms.
+    first = next(iter(read_trace(TRACE))).timestamp / 1000
+    assert ts[0] >= CLOCK_START + first
+    assert (
+        Conductor().ingest(
+            [Incoming(False, r.key, r.headers, r.payload, r.ts) for r in w.streams.records]
+        )
+        == []
+    )
+
+
+@pytest.mark.kafka
+def test_a_trace_replays_into_the_daemon(kafka_bootstrap: str, tmp_path: Path) -> None:
+    engine = EngineConfig(gpu_blocks=1024, max_num_seqs=16, max_batched_tokens=2048)
+    cfg = FleetConfig(instances=5, engine=engine)
+    w = vllm_trace_workload(TRACE, cfg, limit=20, queries=10, query_tokens=1024)
+    # Sped up, so the test takes a few seconds of the trace's minute.
+    fig = replay_figure(w, kafka_bootstrap, 20.0, tmp_path / "logs", log=lambda _: None)
+    assert fig["records"] == len(w.streams.records)
+    assert fig["bad_records"] == 0 and fig["exit_code"] == 0
+    assert fig["queries"] > 0 and fig["query_p50_ms"] <= fig["query_p99_ms"]
+    assert fig["max_lag_records"] >= 0 and fig["catch_up_s"] >= 0
