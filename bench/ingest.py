@@ -29,7 +29,7 @@ from typing import Any
 from bench.cluster import Record
 from bench.measure import forked, summary
 from bench.peers import make_peer, peer_items
-from bench.runners import agreement, device_answers, per_unit, run_order, sync
+from bench.runners import agreement, cpu_share, device_answers, per_unit, run_order, sync
 from bench.workload import Workload
 
 # Peers of this figure: on vLLM-shaped records every event is a device-tier
@@ -56,11 +56,12 @@ def _child(w: Workload, name: str, check: bool) -> dict[str, Any]:
     prepared = peer.prepare(rest)
     gc.collect()
     gc.freeze()
+    cpu = time.process_time()
     started = time.perf_counter()
     peer.apply(prepared)
     sync(peer)
     seconds = time.perf_counter() - started
-    out: dict[str, Any] = {"seconds": seconds}
+    out: dict[str, Any] = {"seconds": seconds, "cpu_seconds": time.process_time() - cpu}
     if check:
         out["answers"] = device_answers(peer, w.queries[:CHECKED])
     for attr in ("errors", "notices"):
@@ -91,6 +92,7 @@ def ingest_figure(
     for name in names:
         each = [per_unit(shape, x["seconds"]) for x in runs[name]]
         per_peer[name] = {k: summary([e[k] for e in each]) for k in each[0]}
+        per_peer[name]["cpu_share"] = cpu_share(runs[name])
         for attr in ("errors", "notices"):
             if attr in runs[name][0]:
                 per_peer[name][attr] = runs[name][0][attr]

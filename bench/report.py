@@ -332,17 +332,27 @@ def markdown(result: dict[str, Any]) -> str:
             "event, is this figure's unit (figure 7 has vLLM's own shapes).",
             "",
             "| peer | block events | block events/s | records/s | events/s | us a record "
-            "| cold pass, block events/s | vs dynamo |",
-            "|---|---|---|---|---|---|---|---|",
+            "| cold pass, block events/s | CPU / wall | vs dynamo |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
+        cpu_ratio = apply.get("cpu_ratio", {})
         for peer, s in apply["rate"].items():
             ratio = apply["ratio"].get(f"{peer}/dynamo")
             u = apply.get("per_unit", {}).get(peer, {})
             cold = apply.get("cold_rate", {}).get(peer)
+            share = apply.get("cpu_share", {}).get(peer)
             lines.append(
                 f"| {peer} | {apply['block_events'][peer]:,} | {_ms(s)} | "
                 f"{_ms(u.get('records_per_s'))} | {_ms(u.get('events_per_s'))} | "
-                f"{_ms(u.get('us_per_record'), 1)} | {_ms(cold)} | {_ratio(ratio)} |"
+                f"{_ms(u.get('us_per_record'), 1)} | {_ms(cold)} | {_ms(share, 2)} | "
+                f"{_ratio(ratio)} |"
+            )
+        for pair, r in cpu_ratio.items():
+            rates = apply["cpu_rate"]
+            a, b = pair.split("/")
+            lines.append(
+                f"\nPer CPU second (steady under contention): {pair} {_ratio(r)}, "
+                f"{a} {_ms(rates.get(a))}, {b} {_ms(rates.get(b))} block events/s."
             )
     scale = result.get("scale")
     if scale:
@@ -486,7 +496,8 @@ def _ingest_section(fig: dict[str, Any]) -> list[str]:
     ]
     for peer, u in fig["peers"].items():
         lines.append(
-            f"| {peer} (in process) | {_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
+            f"| {peer} (in process, CPU {_ms(u.get('cpu_share'), 2)} of the wall time) | "
+            f"{_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
             f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
             f"{_ms(u['us_per_event'], 2)} |"
         )

@@ -52,6 +52,15 @@ def _timed_apply(w: Workload, name: str, requests: int) -> dict[str, Any]:
     return out
 
 
+def cpu_share(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The process's CPU time over the wall time of each timed pass: every
+    peer applies on the calling thread (Dynamo's binding too: its one other
+    thread stays idle), so a share well under 1 is time the run waited for
+    a core another process held, and the run's rate is the machine's, not
+    the peer's."""
+    return summary([x["cpu_seconds"] / x["seconds"] for x in runs if x["seconds"]])
+
+
 def _apply_once(w: Workload, name: str, requests: int) -> dict[str, Any]:
     peer = make_peer(name, w)
     items = peer_items(peer, w, requests)
@@ -59,12 +68,14 @@ def _apply_once(w: Workload, name: str, requests: int) -> dict[str, Any]:
     prepared = peer.prepare(items)
     gc.collect()
     gc.freeze()  # the workload is not the index's garbage to scan
+    cpu = time.process_time()
     started = time.perf_counter()
     peer.apply(prepared)
     sync(peer)
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu
     gc.unfreeze()
-    return {"blocks": blocks, "items": len(items), "seconds": seconds}
+    return {"blocks": blocks, "items": len(items), "seconds": seconds, "cpu_seconds": cpu}
 
 
 def sync(peer: Peer) -> None:
@@ -128,9 +139,13 @@ def apply_figure(
             log(
                 f"  apply run {r + 1}/{repeats} {name}: {res['blocks']:,} block events "
                 f"in {res['seconds']:.2f} s = {res['blocks'] / res['seconds']:,.0f}/s "
-                f"(cold pass {res['cold_seconds']:.2f} s)"
+                f"(cold pass {res['cold_seconds']:.2f} s; CPU "
+                f"{res['cpu_seconds'] / res['seconds']:.0%} of the wall time)"
             )
     rates = {p: [x["blocks"] / x["seconds"] for x in runs[p]] for p in peers}
+    cpu_rates = {
+        p: [x["blocks"] / x["cpu_seconds"] for x in runs[p] if x["cpu_seconds"]] for p in peers
+    }
     units: dict[str, Any] = {}
     for p in peers:
         fed = shape.get("full" if p == "kvconductor" else "device")
@@ -146,6 +161,10 @@ def apply_figure(
         "cold_rate": {
             p: summary([x["blocks"] / x["cold_seconds"] for x in runs[p]]) for p in peers
         },
+        "cpu_share": {p: cpu_share(runs[p]) for p in peers},
+        # Per CPU second: what a run that waited for a core still measures.
+        "cpu_rate": {p: summary(cpu_rates[p]) for p in peers},
+        "cpu_ratio": _ratios(cpu_rates, higher_is_better=True),
         "ratio": _ratios(rates, higher_is_better=True),
     }
 
