@@ -205,7 +205,66 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         rows.append(_unmeasured("HTTP query p99 / 8-client qps", "< 2 ms / > 3,000 qps", http))
     rows.append(_e2e_target(result.get("e2e", {})))
+    rows += _ingest_targets(result.get("ingest", {}))
     rows.append(_curve_target(result.get("fixed_answer")))
+    return rows
+
+
+TARGET_REAL_EVENTS = 1_000_000  # events/s, Kafka -> daemon, vLLM-shaped records
+TARGET_REAL_VS_DYNAMO = 3.0
+TARGET_US_RECORD, TARGET_US_EVENT = 5.0, 0.5  # in process
+TARGET_REPLAY_P99_MS = 1.0
+
+
+def _ingest_targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """Figure 7's and 8's rows: the real path, in process, the trace replay."""
+    if not fig.get("measured"):
+        return [_unmeasured("ingest of vLLM-shaped records", "figure 7", fig)]
+    rows = []
+    pre = fig.get("prequeued", {})
+    real = pre.get("per_unit", {}).get("events_per_s", {}).get("median")
+    vs = fig.get("real_ratio", {}).get("kvconductor run/dynamo.indexer", {}).get("median")
+    rows.append(
+        {
+            "figure": "ingest, Kafka -> daemon, vLLM-shaped records (events/s)",
+            "target": f">= {TARGET_REAL_EVENTS:,} and >= {TARGET_REAL_VS_DYNAMO:.0f}x "
+            "Dynamo's standalone indexer",
+            "measured": real,
+            "vs_dynamo": vs,
+            "met": None
+            if real is None or vs is None
+            else real >= TARGET_REAL_EVENTS and vs >= TARGET_REAL_VS_DYNAMO,
+            "note": None if pre.get("measured") else pre.get("reason"),
+        }
+    )
+    kvc = fig.get("peers", {}).get("kvconductor")
+    if kvc:
+        shape = fig["shape"]
+        per_record = kvc["us_per_record"]["median"]
+        per_event = kvc["us_per_event"]["median"]
+        budget = TARGET_US_RECORD + TARGET_US_EVENT * shape["events"] / shape["records"]
+        rows.append(
+            {
+                "figure": "ingest in process, vLLM-shaped records (us a record / an event)",
+                "target": f"<= {TARGET_US_RECORD:g} us a record + {TARGET_US_EVENT:g} an event "
+                f"({budget:.1f} us a record here)",
+                "measured": f"{per_record:.1f} / {per_event:.2f} us",
+                "vs_dynamo": fig.get("ratio", {}).get("kvconductor/dynamo", {}).get("median"),
+                "met": per_record <= budget,
+            }
+        )
+    rep = fig.get("replay", {})
+    if rep.get("measured"):
+        rows.append(
+            {
+                "figure": f"trace at {rep['speed']:g}x its rate on "
+                f"{rep['stats']['instances']:,} instances: kept up, query p99",
+                "target": f"kept up, p99 < {TARGET_REPLAY_P99_MS:g} ms",
+                "measured": f"{'yes' if rep['kept_up'] else 'no'}, {rep['query_p99_ms']:.2f} ms",
+                "vs_dynamo": None,
+                "met": rep["kept_up"] and rep["query_p99_ms"] < TARGET_REPLAY_P99_MS,
+            }
+        )
     return rows
 
 
@@ -348,6 +407,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_ratio(ratio)} |"
             )
         for pair, r in cpu_ratio.items():
+            if not pair.endswith("/dynamo"):
+                continue
             rates = apply["cpu_rate"]
             a, b = pair.split("/")
             lines.append(
