@@ -729,6 +729,8 @@ async def _prequeued_run(
     producer = bridge_like_producer(bootstrap)
     await producer.start()
     try:
+        for topic in (daemon.engine_topic, daemon.pool_topic):
+            await producer.partitions_for(topic)
         acks = [
             await producer.send(
                 (daemon.engine_topic, daemon.pool_topic)[r.pool],

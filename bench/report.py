@@ -540,7 +540,12 @@ def _ingest_section(fig: dict[str, Any]) -> list[str]:
         "",
         "## 7. Ingest of vLLM-shaped records",
         "",
-        f"A vLLM fleet (`bench/vllm_engine.py`): {st['steps']:,} engine steps of "
+        (
+            f"The trace {st['trace']}, routed by {st['route']}, through"
+            if "trace" in st
+            else "Sessions through"
+        )
+        + f" vLLM's engine model (`bench/vllm_engine.py`): {st['steps']:,} engine steps of "
         f"{fig['stats'].get('instances', '?')} instances ({eng['max_num_seqs']} running "
         f"requests, {eng['max_batched_tokens']:,} tokens a step, {eng['gpu_blocks']:,} "
         f"GPU blocks each), {st['requests']:,} requests, {st['preemptions']:,} preemptions; "
