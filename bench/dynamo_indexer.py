@@ -40,7 +40,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import Record, stored_event
-from bench.measure import process_cpu_s
+from bench.measure import percentile, process_cpu_s
 from bench.workload import Workload
 from kvconductor import kafka_local
 
@@ -69,8 +69,8 @@ def available(python: str | None) -> str | None:
     return None
 
 
-class _Http:
-    """A keep-alive connection to the indexer's HTTP API."""
+class Http:
+    """A keep-alive connection to an HTTP API (the indexer's, the daemon's)."""
 
     def __init__(self, port: int) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -87,6 +87,21 @@ class _Http:
         if status not in (200, 201):
             raise RuntimeError(f"dynamo.indexer {path} answered {status}: {data[:300]!r}")
         return json.loads(data)
+
+    def latencies(self, path: str, bodies: Sequence[bytes]) -> list[float]:
+        """Seconds per request of `bodies` posted one after the other, each
+        answer read whole (one client, keep-alive: a router's cheapest)."""
+        out = []
+        headers = {"content-type": "application/json"}
+        for body in bodies:
+            t = time.perf_counter()
+            self.conn.request("POST", path, body, headers)
+            resp = self.conn.getresponse()
+            resp.read()
+            out.append(time.perf_counter() - t)
+            if resp.status != 200:
+                raise RuntimeError(f"{path} answered {resp.status}")
+        return out
 
     def applied(self) -> int:
         """KV events the indexer has applied (any outcome), from /metrics."""
@@ -138,7 +153,7 @@ def _probe(key: bytes, block_size: int) -> tuple[list[int], bytes]:
     return tokens, msgspec.msgpack.encode([0.0, [event], 0])
 
 
-def _connect(http_: _Http, pubs: _Publishers, model: str, block_size: int) -> None:
+def _connect(http_: Http, pubs: _Publishers, model: str, block_size: int) -> None:
     for key, port in pubs.ports.items():
         http_.json(
             "POST",
@@ -194,7 +209,7 @@ def standalone_run(
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     pubs = _Publishers(sorted({r.key for r in records}))
-    http_ = _Http(port)
+    http_ = Http(port)
     try:
         _wait_http(http_, proc, log_path)
         _connect(http_, pubs, cfg.model, cfg.block_size)
@@ -219,13 +234,11 @@ def standalone_run(
             time.sleep(SCRAPE_S)
         seconds = time.perf_counter() - started
         cpu = sum(process_cpu_s(proc.pid)) - cpu0
-        answers = [
-            gpu_blocks(
-                http_.json("POST", "/query", {"token_ids": p, "model_name": cfg.model}),
-                cfg.block_size,
-            )
-            for p in prompts
-        ]
+        queries = [{"token_ids": p, "model_name": cfg.model} for p in prompts]
+        answers = [gpu_blocks(http_.json("POST", "/query", q), cfg.block_size) for q in queries]
+        bodies = [json.dumps(q).encode() for q in queries]
+        http_.latencies("/query", bodies[:20])  # warm-up
+        query_s = http_.latencies("/query", bodies)
     finally:
         http_.close()
         pubs.close()
@@ -241,10 +254,17 @@ def standalone_run(
         "events_applied": applied,
         "indexer_cpu_s": cpu,
         "answers": answers,
+        "query": query_percentiles(query_s),
     }
 
 
-def _wait_http(http_: _Http, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+def query_percentiles(seconds: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 in microseconds of one client's queries."""
+    us = sorted(x * 1e6 for x in seconds)
+    return {"p50_us": percentile(us, 50), "p99_us": percentile(us, 99), "queries": len(us)}
+
+
+def _wait_http(http_: Http, proc: subprocess.Popen[bytes], log_path: Path) -> None:
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None:

@@ -61,6 +61,7 @@ from bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
 from bench.cluster import Record, stored_event
+from bench.dynamo_indexer import Http, query_percentiles
 from bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
 from bench.restore import broker_pid
@@ -755,6 +756,16 @@ async def _prequeued_run(
                 async with session.post(f"{daemon.url}/query", json=body) as resp:
                     answers.append(await resp.json())
             _, bad = await daemon.counts(session)
+        # The same client as Dynamo's standalone indexer gets (nothing else
+        # runs on this loop now, so a blocking one is fine).
+        client = Http(daemon.port)
+        bodies = [
+            msgspec.json.encode({"model": model, "block_size": block_size, "token_ids": p})
+            for p in prompts
+        ]
+        client.latencies("/query", bodies[:20])  # warm-up
+        query = query_percentiles(client.latencies("/query", bodies))
+        client.close()
         cpu = sum(process_cpu_s(daemon.pid))
     finally:
         code = daemon.stop()
@@ -765,6 +776,7 @@ async def _prequeued_run(
         "daemon_cpu_s": cpu,
         "bad_records": bad,
         "answers": answers,
+        "query": query,
         "exit_code": code,
     }
 

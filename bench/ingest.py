@@ -176,6 +176,7 @@ def real_path_figure(
             "identical": all(x["identical"] for x in kvc),
             "bad_records": sum(x["bad_records"] for x in kvc),
             "exit_codes": [x["exit_code"] for x in kvc],
+            "query": _query_summary(kvc),
             "runs": kvc,
         }
     if dynamo is None:
@@ -188,18 +189,27 @@ def real_path_figure(
             # a block and evicted one they may differ).
             "identical": all(x["identical"] for x in dyn),
             "same_answers": [min(x["same_answers"] for x in dyn), len(device)],
+            "query": _query_summary(dyn),
             "runs": dyn,
         }
     else:
         out["dynamo_indexer"] = {"measured": False, "reason": dynamo}
     if kvc and dyn:
-        pairs = zip(kvc, dyn, strict=True)
+        pairs = list(zip(kvc, dyn, strict=True))
         out["ratio_real"] = {
             "kvconductor run/dynamo.indexer": summary(
                 [a["events_per_s"] / b["events_per_s"] for a, b in pairs if "events_per_s" in a]
-            )
+            ),
+            # Above 1: kvconductor's one-client p99 over HTTP is the lower.
+            "query p99, dynamo.indexer/kvconductor run": summary(
+                [b["query"]["p99_us"] / a["query"]["p99_us"] for a, b in pairs]
+            ),
         }
     return out
+
+
+def _query_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {k: summary([x["query"][k] for x in runs]) for k in ("p50_us", "p99_us")}
 
 
 def _device_reference(w: Workload, check: int) -> list[list[tuple[int, int]]]:

@@ -596,8 +596,11 @@ def _ingest_section(fig: dict[str, Any]) -> list[str]:
     for what in ("prequeued", "dynamo_indexer"):
         part = fig.get(what, {})
         if part.get("measured"):
+            q = part["query"]
             lines.append(
-                f"- {what}: answers identical to the in-process index: {part['identical']}"
+                f"- {what}: answers identical to the in-process index: {part['identical']}; "
+                f"HTTP /query after the backlog, one client: p50 {_ms(q['p50_us'])} us, "
+                f"p99 {_ms(q['p99_us'])} us"
             )
         elif part:
             lines.append(f"- {what}: not measured ({part.get('reason')})")

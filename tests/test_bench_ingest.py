@@ -62,6 +62,7 @@ def test_the_real_paths_take_a_prequeued_backlog(kafka_bootstrap: str, tmp_path:
     assert pre["bad_records"] == 0 and pre["exit_codes"] == [0]
     (run,) = pre["runs"]
     assert 0 < run["shape"]["records"] <= len(w.streams.records)
+    assert 0 < pre["query"]["p50_us"]["median"] <= pre["query"]["p99_us"]["median"]
     standalone = fig["dynamo_indexer"]
     if dynamo is not None:
         assert standalone == {"measured": False, "reason": dynamo}
@@ -70,6 +71,8 @@ def test_the_real_paths_take_a_prequeued_backlog(kafka_bootstrap: str, tmp_path:
     assert got["events_applied"] == sum(r.events for r in w.streams.records)
     same, compared = standalone["same_answers"]
     assert same == compared > 0
+    assert standalone["query"]["p99_us"]["median"] > 0
+    assert len(fig["ratio_real"]["query p99, dynamo.indexer/kvconductor run"]["runs"]) == 1
 
 
 TRACE = Path(__file__).parent / "fixtures" / "traces" / "conversation_trace-head200.jsonl"
