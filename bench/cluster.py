@@ -39,6 +39,7 @@ class Record(NamedTuple):
     payload: bytes
     ts: float
     blocks: int  # block events carried (stores and removals, all tiers)
+    events: int = 0  # KV events carried (each store or removal, whatever its hashes)
 
 
 class NaiveOp(NamedTuple):
@@ -162,7 +163,7 @@ def engine_record(
 ) -> Record:
     """One engine-topic record: the instance's headers and its `kv-seq`."""
     headers = [*headers, ("kv-seq", str(seq).encode())]
-    return Record(False, key, headers, _mp([ts, events, 0]), ts, blocks)
+    return Record(False, key, headers, _mp([ts, events, 0]), ts, blocks, len(events))
 
 
 def dynamo_stored(event_id: int, parent: int | None, blocks: Iterable[tuple[int, int]]) -> bytes:
@@ -181,7 +182,13 @@ def dynamo_stored(event_id: int, parent: int | None, blocks: Iterable[tuple[int,
     )
 
 
-def _removed_event(seqs: list[int], medium: str) -> dict[str, object]:
+def dynamo_removed(event_id: int, seqs: list[int]) -> bytes:
+    """Dynamo's JSON for removed blocks."""
+    return _js({"event_id": event_id, "data": {"removed": {"block_hashes": seqs}}, "dp_rank": 0})
+
+
+def removed_event(seqs: list[int], medium: str) -> dict[str, object]:
+    """A vLLM 0.33 `BlockRemoved` map."""
     return {"type": "BlockRemoved", "block_hashes": seqs, "medium": medium, "group_idx": 0}
 
 
@@ -252,7 +259,7 @@ class Cluster:
         dyn: list[tuple[bytes, int]] = []
         nblocks = 0
         if evicted:
-            ev = _removed_event(evicted, "GPU")
+            ev = removed_event(evicted, "GPU")
             events.append(ev)
             device.append(ev)
             dyn.append((self._dynamo_removed(evicted), len(evicted)))
@@ -291,7 +298,7 @@ class Cluster:
             offload = []
             host_added, host_evicted = _lru_admit(inst.host, seqs, self.host_blocks)
             if host_evicted:
-                events.append(_removed_event(host_evicted, "CPU"))
+                events.append(removed_event(host_evicted, "CPU"))
                 nblocks += len(host_evicted)
             if host_added:
                 events.append(stored_event(host_added, None, [], "CPU", bs))
@@ -310,7 +317,9 @@ class Cluster:
         if device:
             dev_blocks = len(evicted) + len(stored_seqs)
             self.streams.device_records.append(
-                Record(False, inst.key, inst.headers, _mp([ts, device, 0]), ts, dev_blocks)
+                Record(
+                    False, inst.key, inst.headers, _mp([ts, device, 0]), ts, dev_blocks, len(device)
+                )
             )
             for payload, count in dyn:
                 self.streams.dynamo.append((inst.index, payload, count))
@@ -334,8 +343,9 @@ class Cluster:
         backend.event_id += 1
         events.append(self._pool_event(backend, "stored", seqs, ts))
         payload = _mp([ts, events, 0])
+        blocks = len(seqs) + len(evicted)
         return Record(
-            True, backend.name.encode(), self.pool_headers, payload, ts, len(seqs) + len(evicted)
+            True, backend.name.encode(), self.pool_headers, payload, ts, blocks, len(events)
         )
 
     def _pool_event(
@@ -365,10 +375,4 @@ class Cluster:
 
     def _dynamo_removed(self, seqs: list[int]) -> bytes:
         self.dynamo_event_id += 1
-        return _js(
-            {
-                "event_id": self.dynamo_event_id,
-                "data": {"removed": {"block_hashes": seqs}},
-                "dp_rank": 0,
-            }
-        )
+        return dynamo_removed(self.dynamo_event_id, seqs)

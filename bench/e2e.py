@@ -53,6 +53,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,14 +61,18 @@ from bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
 from bench.cluster import Record, stored_event
+from bench.dynamo_indexer import Http, query_percentiles
 from bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
 from bench.restore import broker_pid
+from bench.runners import per_unit
 from bench.workload import Workload
 from kvconductor import kafka_local
 from kvconductor.bridge.config import BridgeSettings
 
 SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
+# The prequeued figure's poll: its clock starts and stops on a scrape.
+BACKLOG_SCRAPE_S = 0.01
 POLL_S = 0.002  # probe poll: the latency figure's resolution, with one round trip
 PROBE_EVERY_S = 0.025
 # Delivery futures are checked (and the settled ones dropped) after this many
@@ -87,12 +92,14 @@ STOP_EVENT = "signal received: finishing the batch in hand, committing, closing"
 class DaemonProcess:
     """`kvconductor run` as an operator runs it, on fresh topics and group."""
 
+    PARTITIONS = 6  # the daemon's default for the topics it creates
+
     def __init__(self, bootstrap: str, folder: Path) -> None:
         tag = uuid.uuid4().hex[:8]
         (self.port,) = kafka_local.free_ports(1)
         self.engine_topic = f"kv-events-bench-{tag}"
         self.pool_topic = f"kv-pool-events-bench-{tag}"
-        self.partitions = 6  # the daemon's default for the topics it creates
+        self.partitions = self.PARTITIONS
         self.snapshot_interval_s = 10.0  # its default too: snapshots are part of the cost
         self.env = {
             **os.environ,
@@ -353,7 +360,7 @@ class _Run:
             ("kv-source", b"vllm"),
         ]
         payload = msgspec.msgpack.encode([ts, [event], 0])
-        return Record(False, instance.encode(), headers, payload, ts, 1), seq_hash, instance
+        return Record(False, instance.encode(), headers, payload, ts, 1, 1), seq_hash, instance
 
     async def _visible(self, probes: _ProbeClient, probe: _Probe) -> bool:
         body = {
@@ -566,11 +573,11 @@ def by_generation(
 
 def _reference(w: Workload, records: Sequence[Record], prompts: Sequence[list[int]]) -> list[Any]:
     peer = KvconductorPeer(w.config.model, w.config.block_size)
-    peer.apply(records)
+    peer.apply(peer.prepare(records))
     return [peer.query(p) for p in prompts]
 
 
-def _frozen_run(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+def frozen_run(main: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     """`asyncio.run(main)` with the workload out of the collector's reach: a
     full collection over its millions of objects stopped the probe loop
     for longer than the figure's target, and that was counted as the
@@ -640,7 +647,7 @@ def e2e_figure(
     settled = warmups == 0
     while len(runs) < repeats:
         res = forked(
-            lambda: _frozen_run(_one_run(w, bootstrap, first, rest, prompts, seconds, logs))
+            lambda: frozen_run(_one_run(w, bootstrap, first, rest, prompts, seconds, logs))
         )
         res["identical"] = res.pop("answers") == expected
         if settled:
@@ -695,3 +702,146 @@ def e2e_figure(
         "runs": runs,
         "warmup_runs": warm,
     }
+
+
+async def create_event_topics(bootstrap: str, daemon: DaemonProcess) -> None:
+    """The daemon's event topics, with its partition count, before it runs:
+    records produced to them first wait there as a backlog."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(t, daemon.partitions, 1) for t in (daemon.engine_topic, daemon.pool_topic)]
+        )
+    finally:
+        await admin.close()
+
+
+async def _prequeued_run(
+    bootstrap: str,
+    records: Sequence[Record],
+    prompts: Sequence[list[int]],
+    model: str,
+    block_size: int,
+    folder: Path,
+) -> dict[str, Any]:
+    daemon = DaemonProcess(bootstrap, folder)
+    await create_event_topics(bootstrap, daemon)
+    producer = bridge_like_producer(bootstrap)
+    await producer.start()
+    try:
+        for topic in (daemon.engine_topic, daemon.pool_topic):
+            await producer.partitions_for(topic)
+        acks = [
+            await producer.send(
+                (daemon.engine_topic, daemon.pool_topic)[r.pool],
+                r.payload,
+                key=r.key,
+                headers=r.headers,
+            )
+            for r in records
+        ]
+        await producer.flush()
+        await asyncio.gather(*acks)
+    finally:
+        await producer.stop()
+    daemon.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            first, done, consumed0 = await _timed_backlog(daemon, session, len(records))
+            await daemon.wait_ready(session)
+            answers = []
+            for tokens in prompts:
+                body = {"model": model, "block_size": block_size, "token_ids": tokens}
+                async with session.post(f"{daemon.url}/query", json=body) as resp:
+                    answers.append(await resp.json())
+            _, bad = await daemon.counts(session)
+        # The same client as Dynamo's standalone indexer gets (nothing else
+        # runs on this loop now, so a blocking one is fine).
+        client = Http(daemon.port)
+        bodies = [
+            msgspec.json.encode({"model": model, "block_size": block_size, "token_ids": p})
+            for p in prompts
+        ]
+        client.latencies("/query", bodies[:20])  # warm-up
+        query = query_percentiles(client.latencies("/query", bodies))
+        client.close()
+        cpu = sum(process_cpu_s(daemon.pid))
+    finally:
+        code = daemon.stop()
+    seconds = done - first
+    return {
+        "records": len(records) - consumed0,
+        "seconds": seconds,
+        "daemon_cpu_s": cpu,
+        "bad_records": bad,
+        "answers": answers,
+        "query": query,
+        "exit_code": code,
+    }
+
+
+async def _timed_backlog(
+    daemon: DaemonProcess, session: aiohttp.ClientSession, n: int
+) -> tuple[float, float, int]:
+    """Scrape /metrics until the daemon consumed `n` records: (the first
+    scrape that saw any consumed, the one that saw all, the count at the
+    first). The records before the first scrape are left out of the rate."""
+    first: tuple[float, int] | None = None
+    since = time.monotonic()
+    while True:
+        try:
+            consumed, _ = await daemon.counts(session)
+        except aiohttp.ClientError:  # not serving yet
+            daemon._check_alive()
+            consumed = 0
+        now = time.perf_counter()
+        if consumed and first is None:
+            first = (now, consumed)
+        if consumed >= n and first is not None:
+            return first[0], now, first[1]
+        if time.monotonic() - since > STALL_S + 60:
+            raise RuntimeError(f"daemon consumed {consumed:,} of {n:,}:\n{daemon.log_tail()}")
+        await asyncio.sleep(BACKLOG_SCRAPE_S)
+
+
+def prequeued_run(
+    w: Workload,
+    bootstrap: str,
+    prompts: Sequence[list[int]],
+    expected: list[Any],
+    logs: Path,
+) -> dict[str, Any]:
+    """The real path on a backlog, one run: every record of `w` produced to
+    fresh topics first, then `kvconductor run` started on them and timed
+    until /metrics shows all consumed; its answers to `prompts` must then
+    be `expected` (an in-process index's, fed the same records).
+
+    The clock starts at the first scrape that sees a record consumed, so
+    the daemon's start is left out, and so are the records it consumed
+    before that scrape (the stream's first ones: per_unit counts the last
+    records consumed)."""
+    records = w.streams.records
+    cfg = w.config
+    logs.mkdir(parents=True, exist_ok=True)
+    res = forked(
+        lambda: frozen_run(
+            _prequeued_run(bootstrap, records, prompts, cfg.model, cfg.block_size, logs)
+        )
+    )
+    res["identical"] = res.pop("answers") == expected
+    counted = records[len(records) - res["records"] :]
+    shape = {
+        "records": len(counted),
+        "events": sum(x.events for x in counted),
+        "blocks": sum(x.blocks for x in counted),
+    }
+    res["shape"] = shape
+    if res["seconds"] > 0:
+        res.update(per_unit(shape, res["seconds"]))
+    return res
+
+
+def reference_answers(w: Workload, prompts: Sequence[list[int]]) -> list[Any]:
+    """An in-process index's answers after every record of `w`."""
+    return forked(lambda: _reference(w, w.streams.records, prompts))

@@ -173,7 +173,7 @@ def _child(
     w: Workload, name: str, steps: Sequence[int], queries: int, rounds: int
 ) -> list[dict[str, Any]]:
     peer = make_peer(name, w)
-    peer.apply(peer_items(peer, w))
+    peer.apply(peer.prepare(peer_items(peer, w)))
     prompts = w.queries[:queries]
     filler = Filler(w)
     fill = filler.records if isinstance(peer, KvconductorPeer) else filler.dynamo
@@ -182,7 +182,7 @@ def _child(
     for chains in (0, *steps):
         refused = _refused(peer)
         for batch in _batches(fill(chains), FILL_BATCH):
-            peer.apply(batch)
+            peer.apply(peer.prepare(batch))
         sync(peer)
         gc.collect()
         gc.freeze()

@@ -77,7 +77,7 @@ def http_figure(w: Workload, requests: int, log: Callable[[str], None]) -> dict[
         os.close(answers_r)
         os.close(result_w)
         peer = KvconductorPeer(cfg.model, cfg.block_size)
-        peer.apply(peer.items(w))
+        peer.apply(peer.prepare(peer.items(w)))
         expected = [
             msgspec.json.encode(peer.conductor.query(msgspec.json.decode(b, type=TokenQuery)))
             for b in bodies

@@ -93,11 +93,12 @@ def settle() -> int:
     resident size. (Pages a forked child shares with its parent count in its
     resident size already, so copy-on-write faults never inflate a delta.)"""
     gc.collect()
-    _trim()
+    trim()
     return rss_bytes()
 
 
-def _trim() -> None:
+def trim() -> None:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim`)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: deltas may then reuse some freed pages

@@ -1,7 +1,8 @@
 """The indexes under test, behind one small interface.
 
 - `kvconductor` (full): every record of the workload, all tiers and pools,
-  through `Conductor.ingest_*_record` (decode, chain rebuild, index update).
+  through `Conductor.ingest` in batches of `INGEST_BATCH` records, as the
+  daemon hands it a fetch (decode, chain rebuild, index update).
 - `kvconductor-device`: the same requests' device-tier events only, as
   vLLM payloads: the exact counterpart of what the two peers below get.
 - `dynamo`: NVIDIA Dynamo's `RadixTree` (PyPI `ai-dynamo-runtime`), fed the
@@ -25,11 +26,15 @@ import xxhash
 
 from bench.cluster import NaiveOp, Record
 from bench.workload import Workload
-from kvconductor.core import Conductor
+from kvconductor.core import Conductor, Incoming
 from kvconductor.hashing import BASE_SEED
 from kvconductor.query_wire import TokenQuery
 
 _xxh3 = xxhash.xxh3_64_intdigest
+
+# Records per `Conductor.ingest` call: the daemon's fetch (`kafka.max_records`'
+# default, 2,000 records).
+INGEST_BATCH = 2000
 
 
 class Peer(Protocol):
@@ -42,7 +47,10 @@ class Peer(Protocol):
     def blocks(self, item: Any) -> int:
         """Block events in one item."""
 
-    def apply(self, items: Sequence[Any]) -> None: ...
+    def prepare(self, items: Sequence[Any]) -> Any:
+        """What `apply` takes for `items`, made before the clock starts."""
+
+    def apply(self, prepared: Any) -> None: ...
 
     def query(self, tokens: list[int]) -> object: ...
 
@@ -77,6 +85,7 @@ class KvconductorPeer:
         self.model = model
         self.block_size = block_size
         self.conductor = Conductor()
+        self.notices = 0  # records skipped, or applied with a gap to report
 
     def items(self, w: Workload) -> Sequence[Record]:
         return w.streams.device_records if self.device_only else w.streams.records
@@ -84,14 +93,16 @@ class KvconductorPeer:
     def blocks(self, item: Record) -> int:
         return item.blocks
 
-    def apply(self, items: Sequence[Record]) -> None:
-        engine = self.conductor.ingest_engine_record
-        pool = self.conductor.ingest_pool_record
-        for r in items:
-            if r.pool:
-                pool(r.key, r.headers, r.payload, r.ts)
-            else:
-                engine(r.key, r.headers, r.payload, r.ts)
+    def prepare(self, items: Sequence[Record]) -> list[list[Incoming]]:
+        incoming = [Incoming(r.pool, r.key, r.headers, r.payload, r.ts) for r in items]
+        return [incoming[i : i + INGEST_BATCH] for i in range(0, len(incoming), INGEST_BATCH)]
+
+    def apply(self, prepared: list[list[Incoming]]) -> None:
+        ingest = self.conductor.ingest
+        for batch in prepared:
+            notices = ingest(batch)
+            if notices:
+                self.notices += len(notices)
 
     def query(self, tokens: list[int]) -> object:
         return self.conductor.query(TokenQuery(self.model, self.block_size, tokens))
@@ -136,6 +147,9 @@ class DynamoPeer:
     def blocks(self, item: tuple[int, bytes, int]) -> int:
         return item[2]
 
+    def prepare(self, items: Sequence[tuple[int, bytes, int]]) -> Sequence[tuple[int, bytes, int]]:
+        return items
+
     def apply(self, items: Sequence[tuple[int, bytes, int]]) -> None:
         apply = self.tree.apply_event
         for worker, payload, _ in items:
@@ -153,14 +167,15 @@ class DynamoPeer:
 
 
 class NaivePeer:
-    """The obvious index: per worker, a set of chained block identities."""
+    """The obvious index: per worker, the chained block identities it holds
+    and how many copies of each (vLLM announces and removes every copy)."""
 
     name = "naive"
     stream = 3
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.sets: dict[int, set[int]] = {}
+        self.sets: dict[int, dict[int, int]] = {}  # worker -> identity -> copies
         self.names: dict[int, dict[int, int]] = {}  # worker -> seq hash -> identity
 
     def items(self, w: Workload) -> Sequence[NaiveOp]:
@@ -169,20 +184,29 @@ class NaivePeer:
     def blocks(self, item: NaiveOp) -> int:
         return len(item.removed) + len(item.stored_seqs)
 
+    def prepare(self, items: Sequence[NaiveOp]) -> Sequence[NaiveOp]:
+        return items
+
     def apply(self, items: Sequence[NaiveOp]) -> None:
         for op in items:
             held = self.sets.get(op.worker)
             if held is None:
-                held = self.sets[op.worker] = set()
+                held = self.sets[op.worker] = {}
                 self.names[op.worker] = {}
             names = self.names[op.worker]
             for seq in op.removed:
-                ident = names.pop(seq, None)
-                if ident is not None:
-                    held.discard(ident)
+                ident = names.get(seq)
+                if ident is None:
+                    continue
+                left = held[ident] - 1
+                if left:
+                    held[ident] = left
+                else:
+                    del held[ident]
+                    del names[seq]
             for seq, ident in zip(op.stored_seqs, op.stored_idents, strict=True):
                 names[seq] = ident
-                held.add(ident)
+                held[ident] = held.get(ident, 0) + 1
 
     def query(self, tokens: list[int]) -> object:
         data = array("I", tokens).tobytes()

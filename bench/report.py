@@ -205,7 +205,66 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         rows.append(_unmeasured("HTTP query p99 / 8-client qps", "< 2 ms / > 3,000 qps", http))
     rows.append(_e2e_target(result.get("e2e", {})))
+    rows += _ingest_targets(result.get("ingest", {}))
     rows.append(_curve_target(result.get("fixed_answer")))
+    return rows
+
+
+TARGET_REAL_EVENTS = 1_000_000  # events/s, Kafka -> daemon, vLLM-shaped records
+TARGET_REAL_VS_DYNAMO = 3.0
+TARGET_US_RECORD, TARGET_US_EVENT = 5.0, 0.5  # in process
+TARGET_REPLAY_P99_MS = 1.0
+
+
+def _ingest_targets(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """Figure 7's and 8's rows: the real path, in process, the trace replay."""
+    if not fig.get("measured"):
+        return [_unmeasured("ingest of vLLM-shaped records", "figure 7", fig)]
+    rows = []
+    pre = fig.get("prequeued", {})
+    real = pre.get("per_unit", {}).get("events_per_s", {}).get("median")
+    vs = fig.get("real_ratio", {}).get("kvconductor run/dynamo.indexer", {}).get("median")
+    rows.append(
+        {
+            "figure": "ingest, Kafka -> daemon, vLLM-shaped records (events/s)",
+            "target": f">= {TARGET_REAL_EVENTS:,} and >= {TARGET_REAL_VS_DYNAMO:.0f}x "
+            "Dynamo's standalone indexer",
+            "measured": real,
+            "vs_dynamo": vs,
+            "met": None
+            if real is None or vs is None
+            else real >= TARGET_REAL_EVENTS and vs >= TARGET_REAL_VS_DYNAMO,
+            "note": None if pre.get("measured") else pre.get("reason"),
+        }
+    )
+    kvc = fig.get("peers", {}).get("kvconductor")
+    if kvc:
+        shape = fig["shape"]
+        per_record = kvc["us_per_record"]["median"]
+        per_event = kvc["us_per_event"]["median"]
+        budget = TARGET_US_RECORD + TARGET_US_EVENT * shape["events"] / shape["records"]
+        rows.append(
+            {
+                "figure": "ingest in process, vLLM-shaped records (us a record / an event)",
+                "target": f"<= {TARGET_US_RECORD:g} us a record + {TARGET_US_EVENT:g} an event "
+                f"({budget:.1f} us a record here)",
+                "measured": f"{per_record:.1f} / {per_event:.2f} us",
+                "vs_dynamo": fig.get("ratio", {}).get("kvconductor/dynamo", {}).get("median"),
+                "met": per_record <= budget,
+            }
+        )
+    rep = fig.get("replay", {})
+    if rep.get("measured"):
+        rows.append(
+            {
+                "figure": f"trace at {rep['speed']:g}x its rate on "
+                f"{rep['stats']['instances']:,} instances: kept up, query p99",
+                "target": f"kept up, p99 < {TARGET_REPLAY_P99_MS:g} ms",
+                "measured": f"{'yes' if rep['kept_up'] else 'no'}, {rep['query_p99_ms']:.2f} ms",
+                "vs_dynamo": None,
+                "met": rep["kept_up"] and rep["query_p99_ms"] < TARGET_REPLAY_P99_MS,
+            }
+        )
     return rows
 
 
@@ -326,15 +385,35 @@ def markdown(result: dict[str, Any]) -> str:
             "## 1. Apply throughput (one process, fresh index)",
             "",
             f"The first {apply['requests']:,} requests of the workload, "
-            f"{len(next(iter(apply['rate'].values()))['runs'])} runs per peer.",
+            f"{len(next(iter(apply['rate'].values()))['runs'])} runs per peer, each "
+            "timed after a cold pass in the same process (its rate beside it). "
+            "Records carry one vLLM payload a request here: per block, not per "
+            "event, is this figure's unit (figure 7 has vLLM's own shapes).",
             "",
-            "| peer | block events | block events/s | vs dynamo |",
-            "|---|---|---|---|",
+            "| peer | block events | block events/s | records/s | events/s | us a record "
+            "| cold pass, block events/s | CPU / wall | vs dynamo |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
+        cpu_ratio = apply.get("cpu_ratio", {})
         for peer, s in apply["rate"].items():
             ratio = apply["ratio"].get(f"{peer}/dynamo")
+            u = apply.get("per_unit", {}).get(peer, {})
+            cold = apply.get("cold_rate", {}).get(peer)
+            share = apply.get("cpu_share", {}).get(peer)
             lines.append(
-                f"| {peer} | {apply['block_events'][peer]:,} | {_ms(s)} | {_ratio(ratio)} |"
+                f"| {peer} | {apply['block_events'][peer]:,} | {_ms(s)} | "
+                f"{_ms(u.get('records_per_s'))} | {_ms(u.get('events_per_s'))} | "
+                f"{_ms(u.get('us_per_record'), 1)} | {_ms(cold)} | {_ms(share, 2)} | "
+                f"{_ratio(ratio)} |"
+            )
+        for pair, r in cpu_ratio.items():
+            if not pair.endswith("/dynamo"):
+                continue
+            rates = apply["cpu_rate"]
+            a, b = pair.split("/")
+            lines.append(
+                f"\nPer CPU second (steady under contention): {pair} {_ratio(r)}, "
+                f"{a} {_ms(rates.get(a))}, {b} {_ms(rates.get(b))} block events/s."
             )
     scale = result.get("scale")
     if scale:
@@ -439,6 +518,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{many['p99_us']:,.0f} | {many['qps']:,.0f} |",
         ]
     lines += _e2e_section(result.get("e2e", {}))
+    lines += _ingest_section(result.get("ingest", {}))
     missing = [
         f"- {name}: {result.get(name, {}).get('reason', 'n/a')}"
         for name in ("http", "e2e")
@@ -448,6 +528,105 @@ def markdown(result: dict[str, Any]) -> str:
     if missing:
         lines += ["", "## Not measured yet", "", *missing]
     return "\n".join(lines) + "\n"
+
+
+def _ingest_section(fig: dict[str, Any]) -> list[str]:
+    if not fig.get("measured"):
+        return []
+    shape, st = fig["shape"], fig["stats"]
+    rs = st["shape_of_records"]
+    eng = st["engine"]
+    lines = [
+        "",
+        "## 7. Ingest of vLLM-shaped records",
+        "",
+        (
+            f"The trace {st['trace']}, routed by {st['route']}, through"
+            if "trace" in st
+            else "Sessions through"
+        )
+        + f" vLLM's engine model (`bench/vllm_engine.py`): {st['steps']:,} engine steps of "
+        f"{fig['stats'].get('instances', '?')} instances ({eng['max_num_seqs']} running "
+        f"requests, {eng['max_batched_tokens']:,} tokens a step, {eng['gpu_blocks']:,} "
+        f"GPU blocks each), {st['requests']:,} requests, {st['preemptions']:,} preemptions; "
+        f"{rs['events_per_record']:.2f} events a record, {rs['hashes_per_store']:.2f} hashes "
+        f"a store, {rs['hashes_per_removal']:.2f} a removal. Timed: the last "
+        f"{shape['records']:,} records ({shape['events']:,} events, {shape['blocks']:,} "
+        f"block events) on the index the first {fig['build_records']:,} built. "
+        "Read events/s: a record is one engine step and an event one store or removal, "
+        "whatever its hashes; block events/s counts each hash and flatters "
+        "whoever is fed long stores.",
+        "",
+        "| peer | records/s | events/s | block events/s | us a record | us an event |",
+        "|---|---|---|---|---|---|",
+    ]
+    for peer, u in fig["peers"].items():
+        lines.append(
+            f"| {peer} (in process, CPU {_ms(u.get('cpu_share'), 2)} of the wall time) | "
+            f"{_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
+            f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
+            f"{_ms(u['us_per_event'], 2)} |"
+        )
+    pre = fig.get("prequeued", {})
+    if pre.get("measured"):
+        u = pre["per_unit"]
+        lines.append(
+            f"| kvconductor run, {pre['records']:,} records prequeued on "
+            f"{pre['partitions']} partitions | {_ms(u['records_per_s'])} | "
+            f"{_ms(u['events_per_s'])} | {_ms(u['blocks_per_s'])} | "
+            f"{_ms(u['us_per_record'], 1)} | {_ms(u['us_per_event'], 2)} |"
+        )
+    standalone = fig.get("dynamo_indexer", {})
+    if standalone.get("measured"):
+        u = standalone["per_unit"]
+        lines.append(
+            f"| Dynamo's standalone indexer (ZMQ, {standalone['threads']} threads) | "
+            f"{_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
+            f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
+            f"{_ms(u['us_per_event'], 2)} |"
+        )
+    lines.append("")
+    for name, ratio in fig["ratio"].items():
+        lines.append(f"- {name}, in process: {_ratio(ratio)} (pair by pair)")
+    for name, ratio in fig.get("real_ratio", {}).items():
+        lines.append(f"- {name}: {_ratio(ratio)} (pair by pair)")
+    agree = fig.get("agreement", {})
+    for name, (same, n) in ((k, v) for k, v in agree.items() if k != "reference"):
+        lines.append(f"- device answers equal to {agree['reference']}'s: {name} {same}/{n}")
+    for what in ("prequeued", "dynamo_indexer"):
+        part = fig.get(what, {})
+        if part.get("measured"):
+            q = part["query"]
+            lines.append(
+                f"- {what}: answers identical to the in-process index: {part['identical']}; "
+                f"HTTP /query after the backlog, one client: p50 {_ms(q['p50_us'])} us, "
+                f"p99 {_ms(q['p99_us'])} us"
+            )
+        elif part:
+            lines.append(f"- {what}: not measured ({part.get('reason')})")
+    return lines + _replay_lines(fig.get("replay", {}))
+
+
+def _replay_lines(rep: dict[str, Any]) -> list[str]:
+    if not rep.get("measured"):
+        return []
+    st = rep["stats"]
+    return [
+        "",
+        f"## 8. {st['trace']} at {rep['speed']:g}x its own rate, into the daemon",
+        "",
+        f"{st['requests']:,} requests over {st['trace_span_s']:,.0f} s of the trace, routed by "
+        f"{st['route']} over {st['instances']:,} instances: {rep['records']:,} records, "
+        f"{rep['events']:,} events, offered at {_n(rep['offered_events_per_s'])} events/s.",
+        "",
+        "| kept up | lag at most (records) | lag p99 (records) | catch-up after the last send "
+        "| query p50 / p99 / max (1 client) | daemon CPU |",
+        "|---|---|---|---|---|---|",
+        f"| {_met(rep['kept_up'])} | {rep['max_lag_records']:,} | {rep['p99_lag_records']:,.0f} "
+        f"| {rep['catch_up_s']:.2f} s | {rep['query_p50_ms']:.2f} / {rep['query_p99_ms']:.2f} / "
+        f"{rep['query_max_ms'] or 0:.2f} ms ({rep['queries']:,} queries) | "
+        f"{rep['daemon_cpu'] or 0:.0%} of a core |",
+    ]
 
 
 def _e2e_section(e2e: dict[str, Any]) -> list[str]:

@@ -36,22 +36,89 @@ PAIRS = (
 
 
 def _timed_apply(w: Workload, name: str, requests: int) -> dict[str, Any]:
+    """One run of the apply figure, in a process of its own: a cold pass on
+    a throw-away index, then the timed pass on a fresh one.
+
+    The cold pass is what made this figure swing between runs: the first
+    index a process builds pays for fresh memory (page faults, the VM's
+    first touch, the allocator growing its heap), and how much depends on
+    what the machine's memory did before (docs/benchmarks.md, "Stable
+    apply figures"). The timed pass reuses the memory the cold one freed,
+    for every peer alike; both are reported."""
+    cold = _apply_once(w, name, requests)
+    gc.collect()
+    out = _apply_once(w, name, requests)
+    out["cold_seconds"] = cold["seconds"]
+    return out
+
+
+def cpu_share(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The process's CPU time over the wall time of each timed pass: every
+    peer applies on the calling thread (Dynamo's binding too: its one other
+    thread stays idle), so a share well under 1 is time the run waited for
+    a core another process held, and the run's rate is the machine's, not
+    the peer's."""
+    return summary([x["cpu_seconds"] / x["seconds"] for x in runs if x["seconds"]])
+
+
+def _apply_once(w: Workload, name: str, requests: int) -> dict[str, Any]:
     peer = make_peer(name, w)
     items = peer_items(peer, w, requests)
     blocks = sum(peer.blocks(i) for i in items)
+    prepared = peer.prepare(items)
     gc.collect()
     gc.freeze()  # the workload is not the index's garbage to scan
+    cpu = time.process_time()
     started = time.perf_counter()
-    peer.apply(items)
+    peer.apply(prepared)
     sync(peer)
     seconds = time.perf_counter() - started
-    return {"blocks": blocks, "items": len(items), "seconds": seconds}
+    cpu = time.process_time() - cpu
+    gc.unfreeze()
+    return {"blocks": blocks, "items": len(items), "seconds": seconds, "cpu_seconds": cpu}
 
 
 def sync(peer: Peer) -> None:
     """Make sure a peer that applies in the background has caught up."""
     if peer.name == "dynamo":
         peer.query([0] * 16)
+
+
+def run_order(peers: Sequence[str], run: int) -> list[str]:
+    """The peers of run `run`, every other run in reverse: a machine that
+    drifts during a round favours neither side of a pair."""
+    return list(peers) if run % 2 == 0 else list(reversed(peers))
+
+
+def shape_of(w: Workload, requests: int) -> dict[str, dict[str, int]]:
+    """Records, KV events and block events of the first `requests` requests,
+    in the full stream and in the device-tier one (what each peer is fed)."""
+    if requests <= 0:
+        return {}
+    mark = w.streams.marks[requests - 1]
+    out = {}
+    for stream, records in (
+        ("full", w.streams.records[: mark[0]]),
+        ("device", w.streams.device_records[: mark[1]]),
+    ):
+        out[stream] = {
+            "records": len(records),
+            "events": sum(r.events for r in records),
+            "blocks": sum(r.blocks for r in records),
+        }
+    return out
+
+
+def per_unit(shape: dict[str, int], seconds: float) -> dict[str, float]:
+    """Records/s, events/s, block events/s and microseconds per record and
+    per event, for `shape` applied in `seconds`."""
+    return {
+        "records_per_s": shape["records"] / seconds,
+        "events_per_s": shape["events"] / seconds,
+        "blocks_per_s": shape["blocks"] / seconds,
+        "us_per_record": seconds / shape["records"] * 1e6 if shape["records"] else 0.0,
+        "us_per_event": seconds / shape["events"] * 1e6 if shape["events"] else 0.0,
+    }
 
 
 def apply_figure(
@@ -63,20 +130,41 @@ def apply_figure(
 ) -> dict[str, Any]:
     """Apply throughput over the first requests carrying `block_events`."""
     requests = w.streams.requests_for(block_events)
+    shape = shape_of(w, requests)
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in peers}
     for r in range(repeats):
-        for name in peers:
+        for name in run_order(peers, r):
             res = forked(lambda name=name: _timed_apply(w, name, requests))  # type: ignore[misc]
             runs[name].append(res)
             log(
                 f"  apply run {r + 1}/{repeats} {name}: {res['blocks']:,} block events "
-                f"in {res['seconds']:.2f} s = {res['blocks'] / res['seconds']:,.0f}/s"
+                f"in {res['seconds']:.2f} s = {res['blocks'] / res['seconds']:,.0f}/s "
+                f"(cold pass {res['cold_seconds']:.2f} s; CPU "
+                f"{res['cpu_seconds'] / res['seconds']:.0%} of the wall time)"
             )
     rates = {p: [x["blocks"] / x["seconds"] for x in runs[p]] for p in peers}
+    cpu_rates = {
+        p: [x["blocks"] / x["cpu_seconds"] for x in runs[p] if x["cpu_seconds"]] for p in peers
+    }
+    units: dict[str, Any] = {}
+    for p in peers:
+        fed = shape.get("full" if p == "kvconductor" else "device")
+        if fed:
+            each = [per_unit(fed, x["seconds"]) for x in runs[p]]
+            units[p] = {k: summary([e[k] for e in each]) for k in each[0]}
     return {
         "requests": requests,
         "block_events": {p: runs[p][0]["blocks"] for p in peers},
+        "shape": shape,
         "rate": {p: summary(rates[p]) for p in peers},
+        "per_unit": units,
+        "cold_rate": {
+            p: summary([x["blocks"] / x["cold_seconds"] for x in runs[p]]) for p in peers
+        },
+        "cpu_share": {p: cpu_share(runs[p]) for p in peers},
+        # Per CPU second: what a run that waited for a core still measures.
+        "cpu_rate": {p: summary(cpu_rates[p]) for p in peers},
+        "cpu_ratio": _ratios(cpu_rates, higher_is_better=True),
         "ratio": _ratios(rates, higher_is_better=True),
     }
 
@@ -138,11 +226,12 @@ def _scale_child(
     peer = make_peer(name, w)
     items = peer.items(w)
     blocks = sum(peer.blocks(i) for i in items)
+    prepared = peer.prepare(items)
     gc.collect()
     gc.freeze()
     rss0 = settle()
     started = time.perf_counter()
-    peer.apply(items)
+    peer.apply(prepared)
     sync(peer)
     build_s = time.perf_counter() - started
     rss1 = settle()
@@ -213,7 +302,7 @@ def scale_figure(
     return {
         "peers": results,
         "ratio": _scale_ratios(results),
-        "agreement": _agreement(results),
+        "agreement": agreement(results),
     }
 
 
@@ -252,7 +341,7 @@ def _scale_ratios(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _agreement(results: dict[str, Any]) -> dict[str, Any]:
+def agreement(results: dict[str, Any]) -> dict[str, Any]:
     """How many checked queries got the same device-tier answer per worker."""
     names = [n for n in results if results[n].get("answers")]
     if len(names) < 2:

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,23 @@ class Options:
     bootstrap: str | None = None  # a running broker for restore and e2e: none started
     warm_bytes: int = 3 << 30  # fresh memory touched once before measuring
     peers: tuple[str, ...] = ALL_PEERS
+    # Figure 7: ingest of vLLM-shaped records (bench.vllm_engine), in process
+    # and, with e2e, through the broker into the daemon (records prequeued).
+    vllm: bool = True
+    vllm_entries: int = 1_000_000
+    vllm_repeats: int = 3
+    vllm_prequeued_repeats: int = 3
+    # An interpreter with PyPI ai-dynamo-runtime for dynamo.indexer (None:
+    # this one, which has it with the bench extra).
+    dynamo_python: str | None = None
     trace: str | None = None
     trace_limit: int | None = None
+    # A trace through vLLM's engine model (figures 7 and 8): the fleet it is
+    # routed over, how, each instance's pool, and the replay's speed-up.
+    trace_instances: int = 1000
+    trace_route: str = "session"
+    trace_gpu_blocks: int = 16_384
+    trace_speed: float = 1.0
     out: str = "bench-results"
     notes: list[str] = field(default_factory=list)
 
@@ -79,6 +94,8 @@ class Options:
             e2e_repeats=2,
             e2e_seconds=4.0,
             e2e_warmups=0,
+            vllm_entries=100_000,
+            vllm_prequeued_repeats=1,
             warm_bytes=512 << 20,
         )
 
@@ -88,7 +105,7 @@ def _workload(opts: Options, entries: int, queries: int) -> Workload:
     if opts.trace:
         from bench.trace import trace_workload
 
-        return trace_workload(Path(opts.trace), cfg, limit=opts.trace_limit)
+        return trace_workload(Path(opts.trace), cfg, limit=opts.trace_limit, route=opts.trace_route)
     return generate(cfg)
 
 
@@ -226,6 +243,95 @@ def _e2e(
     return out
 
 
+def _replay(w: Workload, bootstrap: str | None, opts: Options, log: Log) -> dict[str, Any]:
+    """Figure 8: the trace at its own rate (times `trace_speed`) into the daemon."""
+    if not opts.trace:
+        return {"measured": False, "reason": "no --trace"}
+    if bootstrap is None:
+        return {"measured": False, "reason": "no broker (or --no-e2e / --quick)"}
+    from bench.replay import replay_figure
+
+    log(f"figure 8: {opts.trace} replayed into the daemon at {opts.trace_speed:g}x its rate")
+    return replay_figure(w, bootstrap, opts.trace_speed, Path(opts.out) / "e2e-logs", log)
+
+
+def _dynamo_indexer(peers: tuple[str, ...], opts: Options, log: Log) -> str | None:
+    """None when Dynamo's standalone indexer is measured, else why not (said once)."""
+    if "dynamo" not in opts.peers:
+        return "not among the peers"
+    from bench.dynamo_indexer import available
+
+    why = available(opts.dynamo_python)
+    if why is not None:
+        note = f"Dynamo's standalone indexer not measured ({why}); install the bench extra"
+        log(note)
+        opts.notes.append(note)
+    return why
+
+
+def _ingest(
+    bootstrap: str | None, peers: tuple[str, ...], opts: Options, log: Log
+) -> dict[str, Any]:
+    """Figure 7 on a vLLM fleet of its own (`bench.vllm_engine`)."""
+    if not opts.vllm:
+        return {"measured": False, "reason": "skipped (--no-vllm)"}
+    from bench.ingest import ingest_figure
+    from bench.vllm_engine import FleetConfig, fleet_workload
+
+    if opts.trace:
+        from bench.trace import vllm_trace_workload
+
+        log(
+            f"figure 7: ingest of {opts.trace} through vLLM's engine model on "
+            f"{opts.trace_instances:,} instances (routed by {opts.trace_route})"
+        )
+        engine = replace(FleetConfig.engine_default(), gpu_blocks=opts.trace_gpu_blocks)
+        fleet = FleetConfig(seed=opts.seed, instances=opts.trace_instances, engine=engine)
+        w = vllm_trace_workload(
+            Path(opts.trace), fleet, opts.trace_route, opts.trace_limit, opts.curve_queries
+        )
+    else:
+        log(f"figure 7: ingest of vLLM-shaped records ({opts.vllm_entries:,} entries)")
+        fleet = FleetConfig.for_entries(opts.vllm_entries, seed=opts.seed)
+        w = fleet_workload(fleet, opts.vllm_entries, churn=0.5, queries=opts.curve_queries)
+    log(f"  {w.stats}")
+    out = ingest_figure(w, peers, opts.vllm_repeats, log)
+    kvc = bootstrap if opts.e2e and "kvconductor" in peers else None
+    dynamo = _dynamo_indexer(peers, opts, log)
+    if kvc is None and dynamo is not None:
+        why = "no broker" if opts.e2e and bootstrap is None else "skipped (--no-e2e or --quick)"
+        out["prequeued"] = {"measured": False, "reason": why}
+        out["dynamo_indexer"] = {"measured": False, "reason": dynamo}
+    else:
+        from bench.ingest import real_path_figure
+
+        runs = opts.vllm_prequeued_repeats
+        log(
+            f"  the real paths: records prequeued then the daemon, and dynamo.indexer ({runs} runs)"
+        )
+        out.update(
+            real_path_figure(
+                w,
+                kvc,
+                dynamo,
+                runs,
+                Path(opts.out) / "e2e-logs",
+                log,
+                dynamo_python=opts.dynamo_python,
+            )
+        )
+        if kvc is None:
+            why = "no broker" if opts.e2e else "skipped (--no-e2e or --quick)"
+            out["prequeued"] = {"measured": False, "reason": why}
+        out["real_ratio"] = out.pop("ratio_real", {})
+    for name, ratio in out["ratio"].items():
+        log(f"  ingest {name}: {ratio['median']:.2f}x (time ratio, pair by pair)")
+    out["replay"] = _replay(w, kvc, opts, log)
+    del w
+    gc.collect()
+    return out
+
+
 def run(opts: Options, log: Log = print) -> dict[str, Any]:
     started = time.time()
     t0 = time.perf_counter()
@@ -278,6 +384,7 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
             reason = "skipped (--no-restore or --quick)" if not opts.restore else "no broker"
             result["restore"] = {"measured": False, "reason": reason}
         result["e2e"] = _e2e(w, bootstrap, result["apply"], peers, opts, log)
+        result["ingest"] = _ingest(bootstrap, peers, opts, log)
 
     if opts.http_requests > 0 and "kvconductor" in peers:
         result["http"] = http_figure(w, opts.http_requests, log)

@@ -146,7 +146,7 @@ class _Session:
         self.turns = 0
 
 
-def _zipf(rng: random.Random, n: int) -> int:
+def zipf(rng: random.Random, n: int) -> int:
     """An index in [0, n) with P(i) ~ 1 / (i + 1)."""
     u = rng.random()
     return min(n - 1, int(math.exp(u * math.log(n + 1))) - 1)
@@ -176,8 +176,8 @@ class SessionSource:
 
     def _new_session(self, inst: Instance) -> _Session:
         cfg = self.cfg
-        sys_id = _zipf(self.rng, cfg.system_prompts)
-        doc_id = _zipf(self.rng, cfg.documents) if self.rng.random() < cfg.document_share else -1
+        sys_id = zipf(self.rng, cfg.system_prompts)
+        doc_id = zipf(self.rng, cfg.documents) if self.rng.random() < cfg.document_share else -1
         prefix = self.prefixes.get((sys_id, doc_id))
         if prefix is None:
             prefix = BlockChain(cfg.block_size)

@@ -59,6 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="workload seed")
     p.add_argument("--trace", help="a Mooncake trace (JSON lines) instead of the generator")
     p.add_argument("--trace-limit", type=int, help="replay only the first N trace requests")
+    p.add_argument(
+        "--trace-instances", type=int, help="vLLM instances a trace is routed over (default 1,000)"
+    )
+    p.add_argument(
+        "--trace-route",
+        choices=("session", "round-robin"),
+        help="route trace requests by conversation (default) or in turn",
+    )
+    p.add_argument(
+        "--trace-gpu-blocks", type=int, help="GPU blocks of each instance a trace runs on"
+    )
+    p.add_argument(
+        "--trace-speed", type=float, help="replay a trace at this multiple of its own rate"
+    )
+    p.add_argument(
+        "--no-vllm", action="store_true", help="skip figure 7 (ingest of vLLM-shaped records)"
+    )
+    p.add_argument("--vllm-entries", type=int, help="index size of the vLLM fleet of figure 7")
+    p.add_argument(
+        "--dynamo-python",
+        metavar="PYTHON",
+        help="an interpreter with ai-dynamo-runtime, for Dynamo's standalone indexer",
+    )
     p.add_argument("--no-restore", action="store_true", help="skip the restore figure")
     p.add_argument("--restore", action="store_true", help="measure restore even with --quick")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end figure")
@@ -85,6 +108,11 @@ def options_from(args: argparse.Namespace, suite: Any) -> Options:
         "fixed_curve",
         "seed",
         "trace_limit",
+        "vllm_entries",
+        "trace_instances",
+        "trace_route",
+        "trace_gpu_blocks",
+        "trace_speed",
     ):
         value = getattr(args, name)
         if value is not None:
@@ -95,6 +123,10 @@ def options_from(args: argparse.Namespace, suite: Any) -> Options:
         opts.peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
     if args.trace:
         opts.trace = args.trace
+    if args.dynamo_python:
+        opts.dynamo_python = args.dynamo_python
+    if args.no_vllm:
+        opts.vllm = False
     if args.no_restore:
         opts.restore = False
     elif args.restore:

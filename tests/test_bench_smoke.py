@@ -147,6 +147,8 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
         restore=False,
         http_requests=20,
         e2e=False,
+        vllm_entries=8_000,
+        vllm_repeats=2,
         warm_bytes=0,
         peers=tuple(peers),
     )
@@ -197,6 +199,12 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
     md = Path(paths["md"]).read_text()
     for heading in ("## Targets", "## 1. Apply throughput", "## 6. Cost curve", "### 6b."):
         assert heading in md
+    assert "## 7. Ingest of vLLM-shaped records" in md
+    ingest = result["ingest"]
+    assert set(ingest["peers"]) == {p for p in peers if p != "kvconductor-device"}
+    assert ingest["prequeued"]["measured"] is False
+    for s in result["apply"]["per_unit"].values():
+        assert s["events_per_s"]["median"] > 0
     assert json.loads(Path(paths["json"]).read_text())["mode"] == "test"
 
 
@@ -251,6 +259,9 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
         e2e_repeats=1,
         e2e_seconds=2.0,
         e2e_warmups=3,
+        vllm_entries=8_000,
+        vllm_repeats=1,
+        vllm_prequeued_repeats=1,
         bootstrap=kafka_bootstrap,
         warm_bytes=0,
         peers=("kvconductor",),
@@ -276,7 +287,8 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     assert half["broker_jit_cpu"]["median"] is None
     assert e2e["daemon"]["exit_codes"] == [0]
     assert len(e2e["warmup_runs"]) == 1 and e2e["warmup_runs"][0]["exit_code"] == 0
-    assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 2
+    # The warm-up's, the counted run's and figure 7's prequeued run's.
+    assert len(list((tmp_path / "out" / "e2e-logs").glob("daemon-*.log"))) == 3
     restore = result["restore"]
     assert restore["measured"] is True and restore["identical"] is True
     assert restore["bytes"] > 0
@@ -286,6 +298,8 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
     assert "## 4. End to end through the broker" in md
     assert "after 1 warm-up run left out of the figures" in md
     assert "## 5. Restore from the snapshot topic" in md
+    pre = result["ingest"]["prequeued"]
+    assert pre["measured"] is True and pre["identical"] is True
 
 
 @pytest.mark.parametrize("argv", [["--help"]])
