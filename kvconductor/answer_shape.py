@@ -24,6 +24,10 @@ from kvconductor.query_wire import QueryResponse
 # Per instance, in name order: its name and its (rank, slot)s in rank order.
 Layout = Sequence[tuple[str, Sequence[tuple[int, int]]]]
 
+# An answer for fewer owners than one in this many instances visits only
+# their instances (both builds; the answer is the same either way).
+SPARSE = 8
+
 
 class AnswerShape(Protocol):
     """One namespace's owners, as its answers lay them out."""
@@ -42,13 +46,17 @@ class AnswerShape(Protocol):
 
 
 class PyAnswerShape:
-    __slots__ = ("block_size", "layout", "tenant")
+    __slots__ = ("block_size", "layout", "tenant", "where")
 
     def __init__(self, tenant: str, block_size: int, layout: Layout) -> None:
         self.tenant = tenant
         self.block_size = block_size
         # DP keys made once, not per query.
         self.layout = [(name, [(str(r), slot) for r, slot in ranks]) for name, ranks in layout]
+        # Slot -> its instance's place in `layout`: an answer for a few
+        # owners (a query's `instance_id`) visits their instances only, not
+        # every instance of the namespace.
+        self.where = {slot: i for i, (_, ranks) in enumerate(layout) for _, slot in ranks}
 
     def shape_json(self, lengths: Matched) -> bytes:
         return msgspec.json.encode(self.shape(lengths, False))
@@ -57,7 +65,12 @@ class PyAnswerShape:
         bs = self.block_size
         by_slot = {m[0]: m for m in lengths if m[3] or not hits_only}
         out: dict[str, dict[str, object]] = {}
-        for name, ranks in self.layout:
+        layout = self.layout
+        if len(by_slot) * SPARSE < len(layout):
+            where = self.where
+            places = sorted({where[s] for s in by_slot if s in where})
+            layout = [layout[i] for i in places]
+        for name, ranks in layout:
             if len(ranks) == 1:  # most instances: one rank, nothing to choose
                 key, slot = ranks[0]
                 m = by_slot.get(slot)

@@ -165,7 +165,7 @@ class NamespaceIndex:
         max_retired: int,
         counters: Counter[str],
         dirty: Dirty,
-        max_owners: int = 4096,
+        max_owners: int = 16_384,
         local_hash_map: int = 0,
     ) -> None:
         self.key = key

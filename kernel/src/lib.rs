@@ -8,6 +8,7 @@
 
 mod count_map;
 mod query_json;
+mod seq_set;
 mod shape;
 mod sharded;
 mod small_int;

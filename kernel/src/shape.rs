@@ -34,6 +34,12 @@ type Lengths = (u64, u64, u64);
 /// Owner slots whose answer table fits on the stack (8 KB).
 const STACK_SLOTS: usize = 256;
 
+/// `kvconductor/answer_shape.py`'s `SPARSE`.
+const SPARSE: usize = 8;
+
+/// `AnswerShape::place` of a slot no owner has.
+const NO_PLACE: u32 = u32::MAX;
+
 #[pyclass(frozen, module = "kvconductor._kernel")]
 pub struct AnswerShape {
     tenant: Py<PyString>,
@@ -42,30 +48,64 @@ pub struct AnswerShape {
     instances: Vec<Instance>,
     ranks: Vec<Rank>,
     slots: usize,
+    /// Per slot, its instance's index in `instances` (or `NO_PLACE`).
+    place: Vec<u32>,
+}
+
+/// The listed owners' lengths by slot: a table of every slot, or (for a
+/// few owners) the listed ones sorted by slot.
+enum BySlot<'a> {
+    Dense(&'a [Option<Lengths>]),
+    Sparse(&'a [(usize, Lengths)]),
+}
+
+impl BySlot<'_> {
+    #[inline]
+    fn get(&self, slot: usize) -> Option<Lengths> {
+        match self {
+            BySlot::Dense(table) => table[slot],
+            BySlot::Sparse(listed) => listed.binary_search_by_key(&slot, |l| l.0).ok().map(|i| listed[i].1),
+        }
+    }
 }
 
 impl AnswerShape {
-    /// Per slot, the listed owners' lengths, in `table` (`self.slots` of
-    /// them, all None).
-    fn by_slot(&self, lengths: &Bound<'_, PyList>, hits_only: bool, table: &mut [Option<Lengths>]) -> PyResult<()> {
-        for item in lengths.iter() {
-            let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
-            if (d != 0 || !hits_only) && slot < self.slots {
-                table[slot] = Some((g, c, d));
-            }
-        }
-        Ok(())
-    }
-
-    /// `f` with `by_slot`'s table, on the stack for up to `STACK_SLOTS`
-    /// owners: a 4 KB heap table a query cost ~5 us in malloc, which
-    /// consolidates its fast bins before every request of that size.
+    /// `f` with the listed owners' lengths by slot and the instances to
+    /// visit (those of the listed owners, in name order). For up to
+    /// `STACK_SLOTS` owners the table is on the stack: a 4 KB heap table a
+    /// query cost ~5 us in malloc, which consolidates its fast bins before
+    /// every request of that size. For fewer owners than one in `SPARSE`
+    /// instances (a query's `instance_id`) only theirs are visited: with
+    /// thousands of owners a table and a pass over every instance were
+    /// most of such an answer.
     fn with_by_slot<T>(
         &self,
         lengths: &Bound<'_, PyList>,
         hits_only: bool,
-        f: impl FnOnce(&[Option<Lengths>]) -> PyResult<T>,
+        f: impl FnOnce(&BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
     ) -> PyResult<T> {
+        let mut listed = Vec::with_capacity(lengths.len());
+        for item in lengths.iter() {
+            let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
+            if (d != 0 || !hits_only) && slot < self.slots {
+                listed.push((slot, (g, c, d)));
+            }
+        }
+        if listed.len() * SPARSE < self.instances.len() {
+            // A slot listed twice keeps its last lengths, as the table does.
+            listed.sort_by_key(|l| l.0);
+            listed.dedup_by(|later, kept| {
+                let same = later.0 == kept.0;
+                if same {
+                    *kept = *later;
+                }
+                same
+            });
+            let mut places: Vec<u32> = listed.iter().map(|l| self.place[l.0]).filter(|&p| p != NO_PLACE).collect();
+            places.sort_unstable();
+            places.dedup();
+            return f(&BySlot::Sparse(&listed), Some(&places));
+        }
         let mut stack = [None; STACK_SLOTS];
         let mut heap = Vec::new();
         let table = if self.slots <= STACK_SLOTS {
@@ -74,18 +114,24 @@ impl AnswerShape {
             heap.resize(self.slots, None);
             &mut heap[..]
         };
-        self.by_slot(lengths, hits_only, table)?;
-        f(table)
+        for (slot, m) in listed {
+            table[slot] = Some(m);
+        }
+        f(&BySlot::Dense(table), None)
     }
 
-    /// Each listed instance with its listed ranks' lengths and its best
-    /// rank's: largest DISK, then GPU, then CPU; ties keep the lower rank.
+    /// Each visited instance (`visit`: their indices; None: all) with a
+    /// listed rank, with its listed ranks' lengths and its best rank's:
+    /// largest DISK, then GPU, then CPU; ties keep the lower rank.
     fn rows<'s>(
         &'s self,
-        by_slot: &'s [Option<Lengths>],
+        by_slot: &'s BySlot<'s>,
+        visit: Option<&'s [u32]>,
     ) -> impl Iterator<Item = (&'s Instance, Lengths, impl Iterator<Item = (&'s Rank, Lengths)>)> {
-        self.instances.iter().filter_map(move |inst| {
-            let listed = move || self.ranks[inst.ranks.clone()].iter().filter_map(move |r| by_slot[r.slot].map(|m| (r, m)));
+        let all = visit.is_none().then(|| self.instances.iter()).into_iter().flatten();
+        let some = visit.into_iter().flatten().map(|&p| &self.instances[p as usize]);
+        all.chain(some).filter_map(move |inst| {
+            let listed = move || self.ranks[inst.ranks.clone()].iter().filter_map(move |r| by_slot.get(r.slot).map(|m| (r, m)));
             let best = listed().map(|(_, m)| m).reduce(|b, m| {
                 if (m.2, m.0, m.1) > (b.2, b.0, b.1) {
                     m
@@ -114,7 +160,13 @@ impl AnswerShape {
             }));
             instances.push(Instance { name: name.unbind(), name_json, ranks: start..all_ranks.len() });
         }
-        AnswerShape { tenant: tenant.unbind(), tenant_json, block_size, instances, ranks: all_ranks, slots }
+        let mut place = vec![NO_PLACE; slots];
+        for (i, inst) in instances.iter().enumerate() {
+            for r in &all_ranks[inst.ranks.clone()] {
+                place[r.slot] = i as u32;
+            }
+        }
+        AnswerShape { tenant: tenant.unbind(), tenant_json, block_size, instances, ranks: all_ranks, slots, place }
     }
 
     fn shape<'py>(
@@ -123,7 +175,7 @@ impl AnswerShape {
         lengths: &Bound<'py, PyList>,
         hits_only: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.with_by_slot(lengths, hits_only, |by_slot| {
+        self.with_by_slot(lengths, hits_only, |by_slot, visit| {
             let bs = self.block_size;
             let keys = [
                 pyo3::intern!(py, "longest_matched"),
@@ -133,7 +185,7 @@ impl AnswerShape {
                 pyo3::intern!(py, "DP"),
             ];
             let out = PyDict::new(py);
-            for (inst, (g, c, d), ranks) in self.rows(by_slot) {
+            for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
                 // One int object wherever the row repeats a number (DISK is
                 // longest_matched, and GPU or CPU often equal it): at a hundred
                 // instances the answer's allocations are most of its cost.
@@ -162,16 +214,17 @@ impl AnswerShape {
     /// `shape`'s answer (with every listed owner) as the JSON msgspec
     /// writes for it.
     fn shape_json<'py>(&self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
-        self.with_by_slot(lengths, false, |by_slot| {
+        self.with_by_slot(lengths, false, |by_slot, visit| {
             let bs = self.block_size;
             // `{tenant:{` then the rows; with no row, the answer is `{}`.
-            let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * self.instances.len());
+            let rows = lengths.len().min(self.instances.len());
+            let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
             out.push(b'{');
             out.extend_from_slice(&self.tenant_json);
             out.push(b':');
             let head = out.len();
             let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
-            for (inst, (g, c, d), ranks) in self.rows(by_slot) {
+            for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
                 out.push(if out.len() == head { b'{' } else { b',' });
                 out.extend_from_slice(&inst.name_json);
                 let d = disk.format(d * bs).as_bytes();

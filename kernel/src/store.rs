@@ -25,7 +25,8 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::count_map::CountMap;
-use crate::sharded::ShardedMap;
+use crate::seq_set::SeqSet;
+use crate::sharded::{ShardedMap, Vacant};
 
 const DEVICE: usize = 0;
 const HOST: usize = 1;
@@ -45,15 +46,23 @@ fn next_version() -> u64 {
 
 // ------------------------------------------------------------------ catalog
 
+#[derive(Clone, Copy)]
 struct Block {
     ident: u64,
-    /// Holders; 0: retired (queued).
+    /// Holders; 0: retired (queued). Never `u32::MAX` (an empty slot's).
     refs: u32,
     /// The stamp of the block's live retired record, when retired. Stamps
     /// wrap at 2^32; a stale record could only be mistaken for a live one
     /// after 2^32 newer records, more than the queue can hold (compaction
     /// keeps it below twice its live records).
     stamp: u32,
+}
+
+impl Vacant for Block {
+    const VACANT: Self = Block { ident: 0, refs: u32::MAX, stamp: 0 };
+    fn is_vacant(&self) -> bool {
+        self.refs == u32::MAX
+    }
 }
 
 struct Record {
@@ -234,7 +243,7 @@ impl Catalog {
 /// An owner tier or a pool store: the sequence hashes it holds and the
 /// query map it keeps counted.
 trait Holder {
-    fn set(&mut self) -> &mut HashSet<u64>;
+    fn set(&mut self) -> &mut SeqSet;
     fn count(&mut self, seq: u64, ident: u64) -> PyResult<()>;
     fn uncount(&mut self, ident: u64);
     /// Room for `n` more blocks.
@@ -242,7 +251,7 @@ trait Holder {
 }
 
 struct OwnerTier<'a> {
-    set: &'a mut HashSet<u64>,
+    set: &'a mut SeqSet,
     /// The tier's masks for the owner's 64-slot word.
     masks: &'a mut CountMap,
     /// (tier, identity) -> holders beyond the first.
@@ -252,7 +261,7 @@ struct OwnerTier<'a> {
 }
 
 impl Holder for OwnerTier<'_> {
-    fn set(&mut self) -> &mut HashSet<u64> {
+    fn set(&mut self) -> &mut SeqSet {
         self.set
     }
 
@@ -282,14 +291,14 @@ impl Holder for OwnerTier<'_> {
 }
 
 struct PoolBlocks<'a, 'py> {
-    set: &'a mut HashSet<u64>,
+    set: &'a mut SeqSet,
     counts: &'a mut CountMap,
     /// Where newly held hashes are reported.
     placed_out: Option<&'a Bound<'py, PyList>>,
 }
 
 impl Holder for PoolBlocks<'_, '_> {
-    fn set(&mut self) -> &mut HashSet<u64> {
+    fn set(&mut self) -> &mut SeqSet {
         self.set
     }
 
@@ -586,13 +595,13 @@ fn prefetch(m: Option<&CountMap>, id: u64) {
 // -------------------------------------------------------------------- store
 
 struct Owner {
-    tiers: [HashSet<u64>; TIERS],
+    tiers: [SeqSet; TIERS],
     dups: HashMap<(u8, u64), u32>,
 }
 
 struct Pool {
     tier: usize,
-    blocks: HashSet<u64>,
+    blocks: SeqSet,
 }
 
 /// Owner tiers and pools frozen at an open cut (`freeze_owner`,
@@ -609,14 +618,14 @@ struct Frozen {
 
 impl Frozen {
     /// Before `held` (an owner's tier) changes or goes.
-    fn keep_tier(&mut self, slot: usize, tier: usize, held: &HashSet<u64>) {
+    fn keep_tier(&mut self, slot: usize, tier: usize, held: &SeqSet) {
         if !self.tiers.is_empty() && self.tiers.remove(&(slot, tier)) {
             self.kept_tiers.insert((slot, tier), held.iter().copied().collect());
         }
     }
 
     /// Before `held` (a pool store's blocks) changes or goes.
-    fn keep_pool(&mut self, pid: i64, held: &HashSet<u64>) {
+    fn keep_pool(&mut self, pid: i64, held: &SeqSet) {
         if !self.pools.is_empty() && self.pools.remove(&pid) {
             self.kept_pools.insert(pid, held.iter().copied().collect());
         }
@@ -689,14 +698,14 @@ impl BlockStore {
         Ok((&mut self.cat, h))
     }
 
-    fn export_seqs<'py>(py: Python<'py>, held: &HashSet<u64>) -> Bound<'py, PyBytes> {
+    fn export_seqs<'py>(py: Python<'py>, held: &SeqSet) -> Bound<'py, PyBytes> {
         pack(py, held.iter().copied())
     }
 
     fn export<'py>(
         &self,
         py: Python<'py>,
-        held: &HashSet<u64>,
+        held: &SeqSet,
     ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
         let idents = pack(py, held.iter().map(|&s| self.cat.held_ident(s)));
         (Self::export_seqs(py, held), idents)
@@ -1044,7 +1053,7 @@ impl BlockStore {
     }
 
     fn owner_size(&self, slot: usize) -> PyResult<usize> {
-        Ok(self.owner(slot)?.tiers.iter().map(HashSet::len).sum())
+        Ok(self.owner(slot)?.tiers.iter().map(SeqSet::len).sum())
     }
 
     fn tier_len(&self, slot: usize, tier: usize) -> PyResult<usize> {
@@ -1053,7 +1062,7 @@ impl BlockStore {
 
     fn count_new(&self, slot: usize, tier: usize, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
         let held = &self.owner(slot)?.tiers[tier_ix(tier)?];
-        Ok(u64s(seqs)?.iter().filter(|s| !held.contains(*s)).count())
+        Ok(u64s(seqs)?.iter().filter(|s| !held.contains(s)).count())
     }
 
     fn place_owner(
@@ -1114,7 +1123,7 @@ impl BlockStore {
 
     fn add_pool(&mut self, pid: i64, tier: usize) -> PyResult<()> {
         let tier = tier_ix(tier)?;
-        self.pools.insert(pid, Pool { tier, blocks: HashSet::new() });
+        self.pools.insert(pid, Pool { tier, blocks: SeqSet::default() });
         Ok(())
     }
 
@@ -1237,7 +1246,7 @@ impl BlockStore {
         for counts in &self.pool_counts {
             pool_counts.append(counts.iter().collect::<std::collections::HashMap<_, _>>())?;
         }
-        let held = |set: &HashSet<u64>| -> PyResult<Bound<'py, PyDict>> {
+        let held = |set: &SeqSet| -> PyResult<Bound<'py, PyDict>> {
             let d = PyDict::new(py);
             for &seq in set {
                 d.set_item(seq, cat.held_ident(seq))?;
