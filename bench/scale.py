@@ -20,7 +20,9 @@ build is the apply figure (block entries a second). Then, at that size:
 - one instance: `run_query_json` of that chain for the instance holding
   it (`instance_id`), the request a router's per-instance check makes;
 - every instance: `run_query_json` for all of them (an answer with a row
-  per instance: its size grows with the owners, as the contract's does).
+  per instance: its size grows with the owners, as the contract's does);
+- join + query: a new owner's first store, then a query (the answer's
+  shape is laid out again after a change of owners).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Point(msgspec.Struct, frozen=True):
     query_one_us: float  # p50, run_query_json with instance_id
     query_all_us: float  # p50, run_query_json, every instance
     answer_all_bytes: int
+    join_query_us: float  # p50, a new owner's first store, then a query of one instance
     kernel: bool
 
 
@@ -104,7 +107,7 @@ def _p50_us(samples: list[float]) -> float:
 
 def measure(owners: int, entries: int, sharing: int, chain: int, ranks: int, queries: int) -> Point:
     """One point, built in this process (run it in a fresh one for memory)."""
-    limits = IndexLimits(max_owners_per_namespace=max(owners, 1))
+    limits = IndexLimits(max_owners_per_namespace=owners + 64)  # room for the joins
     ns = NamespaceIndex(
         namespace_key(None, MODEL, BLOCK, None, None),
         limits.max_pending,
@@ -168,6 +171,17 @@ def measure(owners: int, entries: int, sharing: int, chain: int, ranks: int, que
         t = time.perf_counter()
         answer = run_query_json(ns, req, None, prompt)
         every.append(time.perf_counter() - t)
+    # A change of owners re-lays the answer's shape before the next answer.
+    joins: list[float] = []
+    prompt = _tokens(0, chain)
+    req = TokenQuery(model=MODEL, block_size=BLOCK, token_ids=_token_list(prompt), instance_id="j")
+    for k in range(max(queries // 10, 4)):
+        seqs = _seqs(fresh + queries + k, 1)
+        packed = _tokens(fresh + queries + k, 1)
+        t = time.perf_counter()
+        ns.store_owner("j", k, DEVICE, seqs, None, packed, None)
+        run_query_json(ns, req, None, prompt)
+        joins.append(time.perf_counter() - t)
     from kvconductor.kernel import KERNEL
 
     return Point(
@@ -184,6 +198,7 @@ def measure(owners: int, entries: int, sharing: int, chain: int, ranks: int, que
         query_one_us=_p50_us(one),
         query_all_us=_p50_us(every),
         answer_all_bytes=len(answer),
+        join_query_us=_p50_us(joins),
         kernel=KERNEL is not None,
     )
 
@@ -245,7 +260,8 @@ def _line(r: dict[str, float]) -> str:
         f"{r['bytes_per_entry']:6.1f} B/entry, apply {r['apply_entries_per_s'] / 1e6:5.2f} M/s, "
         f"store {r['store_event_us']:6.1f} us, remove {r['remove_event_us']:5.1f} us, "
         f"walk {r['walk_all_us']:7.1f} us, one {r['query_one_us']:7.1f} us, "
-        f"all {r['query_all_us']:8.1f} us ({r['answer_all_bytes']:,} B)"
+        f"all {r['query_all_us']:8.1f} us ({r['answer_all_bytes']:,} B), "
+        f"join+query {r['join_query_us']:7.1f} us"
     )
 
 

@@ -1,8 +1,10 @@
 //! `AnswerShape`: `kvconductor/answer_shape.py`'s `PyAnswerShape`, compiled.
 //! The answer is made here, as dicts with interned keys or as the JSON the
 //! HTTP API sends, with the owners' names and `DP` keys made once per
-//! layout, not once per query.
+//! layout, not once per query, and the layout made again in Rust after a
+//! change of owners (`set_instance`).
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use pyo3::prelude::*;
@@ -11,10 +13,16 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 struct Rank {
     slot: usize,
     rank: i64,
-    key: Py<PyString>,
+    /// Its `DP` key, in `AnswerShape::keys`.
+    key: u32,
 }
 
 struct Instance {
+    /// The name in UTF-32-BE, whose byte order is code point order (that
+    /// of Python's `sorted`): `AnswerShape::instances` is sorted by it.
+    order: Vec<u8>,
+    /// Its (rank, slot)s in rank order, as `set_instance` gave them.
+    listed: Vec<(i64, usize)>,
     name: Py<PyString>,
     /// The name as a JSON string, quotes included (msgspec's encoding).
     name_json: Vec<u8>,
@@ -40,12 +48,18 @@ const SPARSE: usize = 8;
 /// `AnswerShape::place` of a slot no owner has.
 const NO_PLACE: u32 = u32::MAX;
 
-#[pyclass(frozen, module = "kvconductor._kernel")]
+#[pyclass(module = "kvconductor._kernel")]
 pub struct AnswerShape {
     tenant: Py<PyString>,
     tenant_json: Vec<u8>,
     block_size: u64,
+    /// In name order.
     instances: Vec<Instance>,
+    /// `DP` keys, made once per rank number, not once per owner.
+    keys: Vec<Py<PyString>>,
+    key_of: HashMap<i64, u32>,
+    /// Whether an instance changed since `ranks` and `place` were laid out.
+    stale: bool,
     ranks: Vec<Rank>,
     slots: usize,
     /// Per slot, its instance's index in `instances` (or `NO_PLACE`).
@@ -70,6 +84,32 @@ impl BySlot<'_> {
 }
 
 impl AnswerShape {
+    /// The ranks and slots the answers read, laid out again if stale.
+    fn lay_out(&mut self) {
+        if !self.stale {
+            return;
+        }
+        self.stale = false;
+        self.ranks.clear();
+        let mut slots = 0;
+        for inst in &mut self.instances {
+            let start = self.ranks.len();
+            for &(rank, slot) in &inst.listed {
+                slots = slots.max(slot + 1);
+                self.ranks.push(Rank { slot, rank, key: self.key_of[&rank] });
+            }
+            inst.ranks = start..self.ranks.len();
+        }
+        self.place.clear();
+        self.place.resize(slots, NO_PLACE);
+        for (i, inst) in self.instances.iter().enumerate() {
+            for r in &self.ranks[inst.ranks.clone()] {
+                self.place[r.slot] = i as u32;
+            }
+        }
+        self.slots = slots;
+    }
+
     /// `f` with the listed owners' lengths by slot and the instances to
     /// visit (those of the listed owners, in name order). For up to
     /// `STACK_SLOTS` owners the table is on the stack: a 4 KB heap table a
@@ -147,34 +187,60 @@ impl AnswerShape {
 #[pymethods]
 impl AnswerShape {
     #[new]
-    fn new(tenant: Bound<'_, PyString>, tenant_json: Vec<u8>, block_size: u64, layout: Layout<'_>) -> Self {
-        let mut slots = 0;
-        let mut instances = Vec::with_capacity(layout.len());
-        let mut all_ranks = Vec::new();
+    fn new(tenant: Bound<'_, PyString>, tenant_json: Vec<u8>, block_size: u64, layout: Layout<'_>) -> PyResult<Self> {
+        let mut shape = AnswerShape {
+            tenant: tenant.unbind(),
+            tenant_json,
+            block_size,
+            instances: Vec::new(),
+            keys: Vec::new(),
+            key_of: HashMap::new(),
+            stale: true,
+            ranks: Vec::new(),
+            slots: 0,
+            place: Vec::new(),
+        };
         for (name, name_json, ranks) in layout {
-            let py = name.py();
-            let start = all_ranks.len();
-            all_ranks.extend(ranks.into_iter().map(|(rank, slot)| {
-                slots = slots.max(slot + 1);
-                Rank { slot, rank, key: PyString::new(py, &rank.to_string()).unbind() }
-            }));
-            instances.push(Instance { name: name.unbind(), name_json, ranks: start..all_ranks.len() });
+            shape.set_instance(name, name_json, ranks)?;
         }
-        let mut place = vec![NO_PLACE; slots];
-        for (i, inst) in instances.iter().enumerate() {
-            for r in &all_ranks[inst.ranks.clone()] {
-                place[r.slot] = i as u32;
+        Ok(shape)
+    }
+
+    /// One instance's (rank, slot)s, in rank order, in place of what it
+    /// had (none: the instance goes). A change of owners costs this and,
+    /// at the next answer, a pass over the owners' slots in Rust, where
+    /// making the whole shape again in Python cost ~40 ms at 10,000 owners.
+    fn set_instance(&mut self, name: Bound<'_, PyString>, name_json: Vec<u8>, ranks: Vec<(i64, usize)>) -> PyResult<()> {
+        let py = name.py();
+        let order: Vec<u8> = name.call_method1("encode", ("utf-32-be", "surrogatepass"))?.extract()?;
+        for &(rank, _) in &ranks {
+            if !self.key_of.contains_key(&rank) {
+                self.key_of.insert(rank, self.keys.len() as u32);
+                self.keys.push(PyString::new(py, &rank.to_string()).unbind());
             }
         }
-        AnswerShape { tenant: tenant.unbind(), tenant_json, block_size, instances, ranks: all_ranks, slots, place }
+        match self.instances.binary_search_by(|i| i.order.as_slice().cmp(&order)) {
+            Ok(i) if ranks.is_empty() => {
+                self.instances.remove(i);
+            }
+            Ok(i) => self.instances[i].listed = ranks,
+            Err(_) if ranks.is_empty() => {}
+            Err(i) => {
+                let inst = Instance { order, listed: ranks, name: name.unbind(), name_json, ranks: 0..0 };
+                self.instances.insert(i, inst);
+            }
+        }
+        self.stale = true;
+        Ok(())
     }
 
     fn shape<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         lengths: &Bound<'py, PyList>,
         hits_only: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
+        self.lay_out();
         self.with_by_slot(lengths, hits_only, |by_slot, visit| {
             let bs = self.block_size;
             let keys = [
@@ -193,7 +259,7 @@ impl AnswerShape {
                 let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
                 let dp = PyDict::new(py);
                 for (rank, m) in ranks {
-                    dp.set_item(rank.key.bind(py), same(m.2)?)?;
+                    dp.set_item(self.keys[rank.key as usize].bind(py), same(m.2)?)?;
                 }
                 let row = PyDict::new(py);
                 row.set_item(keys[0], &disk)?;
@@ -213,7 +279,8 @@ impl AnswerShape {
 
     /// `shape`'s answer (with every listed owner) as the JSON msgspec
     /// writes for it.
-    fn shape_json<'py>(&self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
+    fn shape_json<'py>(&mut self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
+        self.lay_out();
         self.with_by_slot(lengths, false, |by_slot, visit| {
             let bs = self.block_size;
             // `{tenant:{` then the rows; with no row, the answer is `{}`.
