@@ -150,24 +150,28 @@ def measure(owners: int, entries: int, sharing: int, chain: int, ranks: int, que
             removes.append(time.perf_counter() - t)
     ns.dirty.clear()
 
+    # One loop a kind of query: each walk over every owner would leave the
+    # next one-instance query a cold cache.
+    picks = [(q * 104_729) % holdings for q in range(queries)]
+    prompts = [_tokens(h // sharing, chain) for h in picks]
     walks: list[float] = []
-    one: list[float] = []
-    every: list[float] = []
-    answer = b""
-    for q in range(queries):
-        h = (q * 104_729) % holdings
-        c = h // sharing
-        prompt = _tokens(c, chain)
+    for prompt in prompts:
         t = time.perf_counter()
         ns.store.match_tokens(prompt, BLOCK, ns.seed, ns.all_bits)
         walks.append(time.perf_counter() - t)
+    one: list[float] = []
+    for h, prompt in zip(picks, prompts, strict=True):
         inst, _ = _owner_of(h % owners, ranks)
-        tokens = _token_list(prompt)
-        req = TokenQuery(model=MODEL, block_size=BLOCK, token_ids=tokens, instance_id=inst)
+        req = TokenQuery(
+            model=MODEL, block_size=BLOCK, token_ids=_token_list(prompt), instance_id=inst
+        )
         t = time.perf_counter()
         run_query_json(ns, req, None, prompt)
         one.append(time.perf_counter() - t)
-        req = TokenQuery(model=MODEL, block_size=BLOCK, token_ids=tokens)
+    every: list[float] = []
+    answer = b""
+    for prompt in prompts:
+        req = TokenQuery(model=MODEL, block_size=BLOCK, token_ids=_token_list(prompt))
         t = time.perf_counter()
         answer = run_query_json(ns, req, None, prompt)
         every.append(time.perf_counter() - t)

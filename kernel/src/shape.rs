@@ -37,7 +37,7 @@ struct Instance {
 type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<u8>, Vec<(i64, usize)>)>;
 
 /// Blocks matched by one owner: GPU, CPU, DISK.
-type Lengths = (u64, u64, u64);
+pub(crate) type Lengths = (u64, u64, u64);
 
 /// Owner slots whose answer table fits on the stack (8 KB).
 const STACK_SLOTS: usize = 256;
@@ -127,10 +127,20 @@ impl AnswerShape {
         let mut listed = Vec::with_capacity(lengths.len());
         for item in lengths.iter() {
             let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
-            if (d != 0 || !hits_only) && slot < self.slots {
+            if d != 0 || !hits_only {
                 listed.push((slot, (g, c, d)));
             }
         }
+        self.with_listed(listed, f)
+    }
+
+    /// `with_by_slot` for lengths already read.
+    fn with_listed<T>(
+        &self,
+        mut listed: Vec<(usize, Lengths)>,
+        f: impl FnOnce(&BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
+    ) -> PyResult<T> {
+        listed.retain(|l| l.0 < self.slots);
         if listed.len() * SPARSE < self.instances.len() {
             // A slot listed twice keeps its last lengths, as the table does.
             listed.sort_by_key(|l| l.0);
@@ -281,45 +291,59 @@ impl AnswerShape {
     /// writes for it.
     fn shape_json<'py>(&mut self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
         self.lay_out();
-        self.with_by_slot(lengths, false, |by_slot, visit| {
-            let bs = self.block_size;
-            // `{tenant:{` then the rows; with no row, the answer is `{}`.
-            let rows = lengths.len().min(self.instances.len());
-            let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
-            out.push(b'{');
-            out.extend_from_slice(&self.tenant_json);
-            out.push(b':');
-            let head = out.len();
-            let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
-            for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
-                out.push(if out.len() == head { b'{' } else { b',' });
-                out.extend_from_slice(&inst.name_json);
-                let d = disk.format(d * bs).as_bytes();
-                out.extend_from_slice(b":{\"longest_matched\":");
-                out.extend_from_slice(d);
-                out.extend_from_slice(b",\"GPU\":");
-                out.extend_from_slice(num.format(g * bs).as_bytes());
-                out.extend_from_slice(b",\"CPU\":");
-                out.extend_from_slice(num.format(c * bs).as_bytes());
-                out.extend_from_slice(b",\"DISK\":");
-                out.extend_from_slice(d);
-                out.extend_from_slice(b",\"DP\":{");
-                for (i, (rank, m)) in ranks.enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    out.push(b'"');
-                    out.extend_from_slice(num.format(rank.rank).as_bytes());
-                    out.extend_from_slice(b"\":");
-                    out.extend_from_slice(num.format(m.2 * bs).as_bytes());
+        let rows = lengths.len().min(self.instances.len());
+        self.with_by_slot(lengths, false, |by_slot, visit| self.write_json(py, rows, by_slot, visit))
+    }
+}
+
+impl AnswerShape {
+    /// `shape_json`'s answer for lengths a walk left in Rust (no tuple an
+    /// owner: at 10,000 owners making and reading them was most of an
+    /// answer that lists them all).
+    pub(crate) fn json_of<'py>(&mut self, py: Python<'py>, listed: Vec<(usize, Lengths)>) -> PyResult<Bound<'py, PyBytes>> {
+        self.lay_out();
+        let rows = listed.len().min(self.instances.len());
+        self.with_listed(listed, |by_slot, visit| self.write_json(py, rows, by_slot, visit))
+    }
+
+    /// The JSON answer of `rows` rows at most (a capacity hint).
+    fn write_json<'py>(&self, py: Python<'py>, rows: usize, by_slot: &BySlot<'_>, visit: Option<&[u32]>) -> PyResult<Bound<'py, PyBytes>> {
+        let bs = self.block_size;
+        // `{tenant:{` then the rows; with no row, the answer is `{}`.
+        let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
+        out.push(b'{');
+        out.extend_from_slice(&self.tenant_json);
+        out.push(b':');
+        let head = out.len();
+        let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
+        for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
+            out.push(if out.len() == head { b'{' } else { b',' });
+            out.extend_from_slice(&inst.name_json);
+            let d = disk.format(d * bs).as_bytes();
+            out.extend_from_slice(b":{\"longest_matched\":");
+            out.extend_from_slice(d);
+            out.extend_from_slice(b",\"GPU\":");
+            out.extend_from_slice(num.format(g * bs).as_bytes());
+            out.extend_from_slice(b",\"CPU\":");
+            out.extend_from_slice(num.format(c * bs).as_bytes());
+            out.extend_from_slice(b",\"DISK\":");
+            out.extend_from_slice(d);
+            out.extend_from_slice(b",\"DP\":{");
+            for (i, (rank, m)) in ranks.enumerate() {
+                if i > 0 {
+                    out.push(b',');
                 }
-                out.extend_from_slice(b"}}");
-            }
-            if out.len() == head {
-                return Ok(PyBytes::new(py, b"{}"));
+                out.push(b'"');
+                out.extend_from_slice(num.format(rank.rank).as_bytes());
+                out.extend_from_slice(b"\":");
+                out.extend_from_slice(num.format(m.2 * bs).as_bytes());
             }
             out.extend_from_slice(b"}}");
-            Ok(PyBytes::new(py, &out))
-        })
+        }
+        if out.len() == head {
+            return Ok(PyBytes::new(py, b"{}"));
+        }
+        out.extend_from_slice(b"}}");
+        Ok(PyBytes::new(py, &out))
     }
 }

@@ -26,6 +26,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::count_map::CountMap;
 use crate::seq_set::SeqSet;
+use crate::shape::AnswerShape;
 use crate::sharded::{ShardedMap, Vacant};
 
 const DEVICE: usize = 0;
@@ -590,6 +591,12 @@ fn prefetch(m: Option<&CountMap>, id: u64) {
     if let Some(m) = m {
         m.prefetch(id);
     }
+}
+
+/// The JSON answer of a walk's lengths (`AnswerShape::json_of`).
+fn answer_json<'py>(shape: &Bound<'py, AnswerShape>, found: Vec<(usize, u32, u32, u32)>) -> PyResult<Bound<'py, PyBytes>> {
+    let listed = found.into_iter().map(|(s, g, c, d)| (s, (u64::from(g), u64::from(c), u64::from(d)))).collect();
+    shape.borrow_mut().json_of(shape.py(), listed)
 }
 
 // -------------------------------------------------------------------- store
@@ -1212,6 +1219,31 @@ impl BlockStore {
             Prompt { source: Source::Given, len: given.len(), idents: given }
         };
         self.matched(&mut prompt, listed)
+    }
+
+    /// `shape.shape_json(match_tokens(...))`, the lengths never made
+    /// Python objects.
+    #[pyo3(signature = (data, block_size, seed, listed, shape))]
+    fn match_tokens_json<'py>(
+        &self,
+        data: &[u8],
+        block_size: usize,
+        seed: u64,
+        listed: &Bound<'py, PyAny>,
+        shape: &Bound<'py, AnswerShape>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        answer_json(shape, self.match_tokens(data, block_size, seed, listed)?)
+    }
+
+    /// `shape.shape_json(match_identities(...))`, likewise.
+    #[pyo3(signature = (idents, listed, shape))]
+    fn match_identities_json<'py>(
+        &self,
+        idents: &Bound<'py, PyAny>,
+        listed: &Bound<'py, PyAny>,
+        shape: &Bound<'py, AnswerShape>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        answer_json(shape, self.match_identities(idents, listed)?)
     }
 
     // --------------------------------------------------------------- tests
