@@ -216,12 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvconductor bench scale",
         description="Memory, apply and query cost of one namespace by owners and entries.",
     )
-    p.add_argument("--owners", type=_sizes, default=[64, 1_000, 4_096, 10_000])
-    p.add_argument("--entries", type=_sizes, default=[1_000_000, 10_000_000])
+    p.add_argument(
+        "--owners", type=_sizes, default=[64, 1_000, 4_096, 10_000], help="owners, e.g. 64,1e4"
+    )
+    p.add_argument(
+        "--entries",
+        type=_sizes,
+        default=[1_000_000, 10_000_000],
+        help="(block, owner) entries, e.g. 1e6,1e7",
+    )
     p.add_argument("--sharing", type=_sizes, default=[1, 8], help="owners holding each chain")
     p.add_argument("--chain", type=int, default=64, help="blocks a stored chain")
     p.add_argument("--ranks", type=int, default=1, help="dp ranks an instance")
-    p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--queries", type=int, default=200, help="queries of each kind a point")
     p.add_argument("--out", help="write the points as JSON lines here too")
     p.add_argument("--point", action="store_true", help=argparse.SUPPRESS)
     return p
