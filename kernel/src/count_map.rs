@@ -3,8 +3,9 @@
 //!
 //! Open addressing with linear probing over one array of (key, value)
 //! pairs (of any length: see `GROW_QUARTERS`), so that a probe reads one
-//! cache line where a SwissTable reads its control bytes and then its bucket, and so that the walk can prefetch a
-//! chunk of blocks' lines before it reads any (see `store::GATHER`): at
+//! cache line where a SwissTable reads its control bytes and then its
+//! bucket, and so that the walk can prefetch a chunk of blocks' lines
+//! before it reads any (see `store::GATHER`): at
 //! millions of entries hashbrown's two dependent misses per probe were
 //! most of a query. A value of 0 marks an empty slot (a key whose value
 //! drops to 0 is removed), and deletion shifts the run back, so there are
@@ -151,7 +152,7 @@ impl<S: Slot> Table<S> {
 
 /// Tables of slots, one or (past `SPLIT_AT` keys) `SHARDS` of them by the
 /// top bits of a key's hash, so that growing rehashes one table, not all
-/// of them: at a million keys one doubling of all of them stopped the event
+/// of them: at a million keys one growth of all of them stopped the event
 /// loop for a noticeable pause. The maps over it (`CountMap`,
 /// `sharded::ShardedMap`) give the slots their meaning.
 pub(crate) struct Tables<S> {

@@ -1,7 +1,7 @@
 //! Maps that grow a part at a time.
 //!
-//! A hash table grows by doubling, which rehashes every key at once: at
-//! millions of blocks the catalog's doubling held one record's apply (and
+//! A hash table grows by rehashing every key at once: at millions of
+//! blocks the catalog's doubling held one record's apply (and
 //! the daemon's event loop) for longer than a query may wait. Past
 //! `SPLIT_AT` keys a map is split into `SHARDS` tables by the top bits of its
 //! hash, so one growth rehashes a sixty-fourth of the keys; the total work
@@ -12,7 +12,7 @@ use crate::count_map::{Slot, Tables};
 
 pub const SHARD_BITS: u32 = 6;
 pub const SHARDS: usize = 1 << SHARD_BITS;
-/// Keys at which a map splits: small enough that one doubling is short.
+/// Keys at which a map splits: small enough that one growth is short.
 pub const SPLIT_AT: usize = 1 << 16;
 
 /// The shard of a key hashed to `h` (its top bits), once a map is split.
