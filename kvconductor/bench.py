@@ -178,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli(args: argparse.Namespace) -> int:
     """`kvconductor bench ...` from the main command line (arguments in `rest`)."""
     rest: list[str] = args.rest
+    if rest[:1] == ["scale"]:  # one namespace by owners and entries (bench/scale.py)
+        return int(importlib.import_module("bench.scale").main(rest[1:]))
     return main(rest)
 
 

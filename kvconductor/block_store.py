@@ -39,6 +39,12 @@ Matched = list[tuple[int, int, int, int]]
 Placed = tuple[int, int, int, list[int]]
 
 
+class JsonShape(Protocol):
+    """What the `*_json` walks need of an `answer_shape.AnswerShape`."""
+
+    def shape_json(self, lengths: Matched) -> bytes: ...
+
+
 class BlockStore(Protocol):
     # --------------------------------------------------------- catalog
     def set_now(self, now: float) -> None:
@@ -174,6 +180,17 @@ class BlockStore(Protocol):
         """The tier walk of `kvconductor.query` over packed u32 tokens."""
 
     def match_identities(self, idents: Sequence[int], listed: int) -> Matched: ...
+
+    def match_tokens_json(
+        self, data: bytes, block_size: int, seed: int, listed: int, shape: JsonShape
+    ) -> bytes:
+        """`shape.shape_json(match_tokens(...))`, the HTTP API's answer: the
+        compiled store never makes the lengths Python objects (at 10,000
+        owners their tuples were most of an answer listing them all). The
+        shape is of the same build as the store."""
+
+    def match_identities_json(self, idents: Sequence[int], listed: int, shape: JsonShape) -> bytes:
+        """`shape.shape_json(match_identities(...))`, likewise."""
 
     # ----------------------------------------------------------- tests
     def dump(self) -> dict[str, object]:
@@ -645,6 +662,14 @@ class PyBlockStore:
 
     def match_identities(self, idents: Sequence[int], listed: int) -> Matched:
         return self._match(idents, listed)
+
+    def match_tokens_json(
+        self, data: bytes, block_size: int, seed: int, listed: int, shape: JsonShape
+    ) -> bytes:
+        return shape.shape_json(self.match_tokens(data, block_size, seed, listed))
+
+    def match_identities_json(self, idents: Sequence[int], listed: int, shape: JsonShape) -> bytes:
+        return shape.shape_json(self.match_identities(idents, listed))
 
     def _match(self, idents: Iterable[int], listed: int) -> Matched:
         """One pass over the prompt with the still-matching owners of each

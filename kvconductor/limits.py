@@ -19,7 +19,7 @@ class IndexLimits(msgspec.Struct, frozen=True):
     max_blocks_per_owner: int = 4_000_000  # per (instance, dp rank, namespace)
     # (instance, dp rank) pairs per namespace: each is a bit of every mask and
     # a row of every answer.
-    max_owners_per_namespace: int = 4096
+    max_owners_per_namespace: int = 16_384
     # Content no tier holds any more, kept (per namespace, for the pending age)
     # so that a late confirmation or token-less store still finds it.
     max_retired_content: int = 200_000

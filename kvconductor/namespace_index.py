@@ -37,6 +37,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+import msgspec
+
 from kvconductor.answer_shape import AnswerShape, new_shape
 from kvconductor.block_store import BlockStore, Placed, new_store
 from kvconductor.cache_groups import GroupState, locate, unit_extra, unit_seqs
@@ -165,7 +167,7 @@ class NamespaceIndex:
         max_retired: int,
         counters: Counter[str],
         dirty: Dirty,
-        max_owners: int = 4096,
+        max_owners: int = 16_384,
         local_hash_map: int = 0,
     ) -> None:
         self.key = key
@@ -180,7 +182,8 @@ class NamespaceIndex:
         self.slots: list[Owner | None] = []
         self.free_slots: list[int] = []
         self.all_bits = 0
-        self._shape: AnswerShape | None = None  # made again when owners change
+        # The owners as a query answer lays them out, told of each change.
+        self._shape: AnswerShape = new_shape(key.tenant, key.block_size, ())
         # Slots of owners with non-primary KV-cache groups: their device hit
         # is vLLM's hybrid rule over those groups (`query.match`).
         self.hybrid: set[int] = set()
@@ -340,22 +343,19 @@ class NamespaceIndex:
             self.store.add_owner(slot)
             self.slots[slot] = owner
             self.all_bits |= owner.bit
-            self._shape = None
+            self._reshape(instance)
         self.dirty.owners.add((self.key, instance, rank))
         return owner
 
     def answer_shape(self) -> AnswerShape:
         """The owners as a query answer lays them out."""
-        if self._shape is None:
-            self._shape = new_shape(
-                self.key.tenant,
-                self.block_size,
-                [
-                    (name, [(rank, o.slot) for rank, o in sorted(ranks.items())])
-                    for name, ranks in sorted(self.owners.items())
-                ],
-            )
         return self._shape
+
+    def _reshape(self, instance: str) -> None:
+        """The answer's shape learns what ranks `instance` has now."""
+        ranks = self.owners.get(instance, {})
+        listed = [(rank, o.slot) for rank, o in sorted(ranks.items())]
+        self._shape.set_instance(instance, msgspec.json.encode(instance), listed)
 
     def restored_owner(self, instance: str, rank: int) -> Owner:
         owner = self._owner(instance, rank)
@@ -374,7 +374,7 @@ class NamespaceIndex:
             del self.owners[owner.instance]
         self.slots[owner.slot] = None
         self.all_bits &= ~owner.bit
-        self._shape = None
+        self._reshape(owner.instance)
         if self.owners:
             self.free_slots.append(owner.slot)
         else:

@@ -184,10 +184,21 @@ def run_query_json(
     if _salted_too(req, salted):
         return _encoder.encode(run_query(ns, req, salted, packed, profiles))
     prompt = _prompt(req, packed)
-    found = _matched(ns, req, prompt, names=_names(req, prompt, profiles))
-    if found is None:
+    names = _names(req, prompt, profiles)
+    if names is not None:
+        # Token-less holdings extend the walk's lengths (`tokenless`).
+        found = _matched(ns, req, prompt, names=names)
+        return b"{}" if found is None else found[0].answer_shape().shape_json(found[1])
+    listed = 0 if ns is None else listed_bits(ns, req.instance_id)
+    if ns is None or not listed:
         return b"{}"
-    return found[0].answer_shape().shape_json(found[1])
+    shape = ns.answer_shape()
+    if ns.hybrid:
+        return shape.shape_json(match(ns, prompt, listed))
+    # The store writes the answer: no Python object an owner.
+    if isinstance(prompt, bytes):
+        return ns.store.match_tokens_json(prompt, ns.block_size, ns.seed, listed, shape)
+    return ns.store.match_identities_json(ns.identities_of(prompt), listed, shape)
 
 
 def run_query_ranks(

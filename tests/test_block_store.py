@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvconductor.answer_shape import PyAnswerShape, new_shape
 from kvconductor.block_store import BlockStore, PyBlockStore
 from kvconductor.hashing import chain_identities, pack_tokens
 from kvconductor.kernel import KERNEL
@@ -379,6 +380,17 @@ class Stores(RuleBasedStateMachine):
         assert self.rust.match_identities(tuple(idents), listed) == want
         by_seq = self.both(lambda s: s.identities_of([100 * chain + i for i in range(n)]))
         self.both(lambda s: s.match_identities(by_seq, listed))
+        # The answers written by the walk: owners in pairs, one instance each.
+        layout = [(f"i{s // 2}", [(s % 2, s)]) for s in sorted(self.owners)]
+        merged: dict[str, list[tuple[int, int]]] = {}
+        for name, ranks in layout:
+            merged.setdefault(name, []).extend(ranks)
+        shapes = [PyAnswerShape("t", BLOCK, list(merged.items()))]
+        shapes.append(new_shape("t", BLOCK, list(merged.items())))
+        answer = shapes[0].shape_json(want)
+        assert self.ref.match_tokens_json(tokens, BLOCK, SEED, listed, shapes[0]) == answer
+        assert self.rust.match_tokens_json(tokens, BLOCK, SEED, listed, shapes[1]) == answer
+        assert self.rust.match_identities_json(idents, listed, shapes[1]) == answer
 
     # -------------------------------------------------------- invariants
 

@@ -33,6 +33,7 @@ from kvconductor.api_client import metric_by, metric_sum, parse_metrics
 from kvconductor.config import KafkaConfig
 from kvconductor.events import (
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     EngineBatch,
     PoolBatch,
@@ -202,6 +203,29 @@ def test_owner_flood_in_one_namespace_keeps_owners_at_their_bound() -> None:
     assert sum(len(ranks) for ranks in ns.owners.values()) == 1_000
     assert ix.counters["owner_limit_dropped"] == flood - 999
     assert ix.query(QUERY)["default"]["a"] == ANSWER["default"]["a"]
+
+
+def test_ten_thousand_owners_fit_one_namespace_by_default() -> None:
+    """Fleet scale (issue #22): 10,000 (instance, rank) owners in one
+    namespace under the default bound, every answer still exact."""
+    ix = seeded()
+    for i in range(10_000):
+        engine(ix, f"w{i:05d}", BlockStored([JUNK + i], None, [i, 0, 0, 1], BS))
+    ns = ix.namespaces[KEY]
+    assert sum(len(ranks) for ranks in ns.owners.values()) == 10_001
+    assert not ix.counters["owner_limit_dropped"]
+    answer = ix.query(QUERY)["default"]
+    assert len(answer) == 10_001 and answer["a"] == HIT and answer["w09999"] == MISS
+    assert json.loads(ix.query_json(QUERY)) == {"default": answer}
+    one = TokenQuery(model="m", block_size=BS, token_ids=[9_999, 0, 0, 1], instance_id="w09999")
+    hit = {"longest_matched": 4, "GPU": 4, "CPU": 4, "DISK": 4, "DP": {"0": 4}}
+    assert ix.query(one) == {"default": {"w09999": hit}}
+    assert json.loads(ix.query_json(one)) == ix.query(one)
+    # An owner leaving and another joining re-lay the answer's shape.
+    engine(ix, "w00000", BlockRemoved([JUNK]))
+    engine(ix, "late", BlockStored([JUNK - 1], None, [7, 7, 7, 7], BS))
+    after = json.loads(ix.query_json(QUERY))["default"]
+    assert "w00000" not in after and after["late"] == MISS and len(after) == 10_001
 
 
 # -------------------------------------------------------------- namespaces

@@ -2,9 +2,10 @@
 //! maps the query walk probes.
 //!
 //! Open addressing with linear probing over one array of (key, value)
-//! pairs, so that a probe reads one cache line where a SwissTable reads its
-//! control bytes and then its bucket, and so that the walk can prefetch a
-//! chunk of blocks' lines before it reads any (see `store::GATHER`): at
+//! pairs (of any length: see `GROW_QUARTERS`), so that a probe reads one
+//! cache line where a SwissTable reads its control bytes and then its
+//! bucket, and so that the walk can prefetch a chunk of blocks' lines
+//! before it reads any (see `store::GATHER`): at
 //! millions of entries hashbrown's two dependent misses per probe were
 //! most of a query. A value of 0 marks an empty slot (a key whose value
 //! drops to 0 is removed), and deletion shifts the run back, so there are
@@ -12,55 +13,106 @@
 //! as the other maps are: they come from engines.
 //!
 //! A large map is split into `SHARDS` tables by the top bits of the hash
-//! (the low bits place a key within its table), so that growing doubles one
-//! table, not all of them: at a million keys one doubling of all of them
-//! stopped the event loop for a noticeable pause (see `sharded`).
+//! (`Tables`; the catalog, `sharded::ShardedMap`, is laid out the same way).
 
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
-use crate::sharded::{share, shard_of, SHARDS, SPLIT_AT};
+use crate::sharded::{share, shard_of, SHARDS, SHARD_BITS, SPLIT_AT};
 
 /// At most this share of slots in use (in eighths): a miss scans on to an
 /// empty slot, and longer runs make misses slower.
 const MAX_LOAD_EIGHTHS: usize = 6;
 
-/// One table: a power-of-two array of (key, value), `len` in use.
-#[derive(Default)]
-struct Table {
-    slots: Vec<(u64, u64)>,
-    len: usize,
+/// A table grows by this share of its size (in quarters) beyond what it is
+/// to hold at the most load, not by doubling: its load stays between 60 and
+/// 75%, where doubling left it anywhere from 37.5% (a fresh doubling: 43
+/// bytes a key) to 75%. The price is rehashing a key five times over its
+/// life instead of twice, a table (a sixty-fourth of a large map) at a time.
+const GROW_QUARTERS: usize = 5;
+
+/// A key's slot of `n`: the hash's bits scaled to `[0, n)` (any `n`, not
+/// only a power of two). The top bits choose a map's shard, so they are
+/// rotated away first: within a shard they are all the same.
+#[inline]
+pub(crate) fn home(h: u64, n: usize) -> usize {
+    ((u128::from(h.rotate_left(SHARD_BITS)) * n as u128) >> 64) as usize
 }
 
-impl Table {
+/// What a table holds in a slot: a key and maybe a value, with one value
+/// of the slot marking it empty.
+pub(crate) trait Slot: Copy {
+    const EMPTY: Self;
+    fn key(self) -> u64;
+    fn used(self) -> bool;
+}
+
+/// (key, value): empty at value 0 (a key whose value drops to 0 goes).
+impl Slot for (u64, u64) {
+    const EMPTY: Self = (0, 0);
+    fn key(self) -> u64 {
+        self.0
+    }
+    fn used(self) -> bool {
+        self.1 != 0
+    }
+}
+
+/// A bare key: empty at 0 (a set keeps key 0 beside its table).
+impl Slot for u64 {
+    const EMPTY: Self = 0;
+    fn key(self) -> u64 {
+        self
+    }
+    fn used(self) -> bool {
+        self != 0
+    }
+}
+
+/// One table: an array of slots, `len` in use.
+pub(crate) struct Table<S> {
+    pub(crate) slots: Vec<S>,
+    pub(crate) len: usize,
+}
+
+impl<S> Default for Table<S> {
+    fn default() -> Self {
+        Table { slots: Vec::new(), len: 0 }
+    }
+}
+
+impl<S: Slot> Table<S> {
     /// Where `key` (hashed to `h`) is, or the empty slot that ends its run.
     #[inline]
-    fn find(&self, key: u64, h: u64) -> (usize, bool) {
-        let mask = self.slots.len() - 1;
-        let mut i = (h as usize) & mask;
+    pub(crate) fn find(&self, key: u64, h: u64) -> (usize, bool) {
+        let n = self.slots.len();
+        let mut i = home(h, n);
         loop {
-            let (k, v) = self.slots[i];
-            if v == 0 {
+            let s = self.slots[i];
+            if !s.used() {
                 return (i, false);
             }
-            if k == key {
+            if s.key() == key {
                 return (i, true);
             }
-            i = (i + 1) & mask;
+            i += 1;
+            if i == n {
+                i = 0;
+            }
         }
     }
 
     /// Room for `n` more keys without growing.
-    fn reserve(&mut self, n: usize, hasher: &RandomState) {
+    pub(crate) fn reserve(&mut self, n: usize, hasher: &RandomState) {
         let want = self.len + n;
         if want * 8 > self.slots.len() * MAX_LOAD_EIGHTHS {
-            let capacity = (want * 8 / MAX_LOAD_EIGHTHS + 1).next_power_of_two().max(8);
-            let old = std::mem::replace(&mut self.slots, vec![(0, 0); capacity]);
-            for (k, v) in old {
-                if v != 0 {
-                    let (i, _) = self.find(k, hasher.hash_one(k));
-                    self.slots[i] = (k, v);
+            let capacity = (want * 8 / MAX_LOAD_EIGHTHS * GROW_QUARTERS / 4).max(8);
+            let old = std::mem::replace(&mut self.slots, vec![S::EMPTY; capacity]);
+            for s in old {
+                if s.used() {
+                    let (i, _) = self.find(s.key(), hasher.hash_one(s.key()));
+                    self.slots[i] = s;
                 }
             }
         }
@@ -68,41 +120,56 @@ impl Table {
 
     /// Backward-shift deletion: every later key of the run that may move
     /// closer to its home fills the hole, so runs stay unbroken.
-    fn remove_at(&mut self, mut hole: usize, hasher: &RandomState) {
-        let mask = self.slots.len() - 1;
+    pub(crate) fn remove_at(&mut self, mut hole: usize, hasher: &RandomState) {
+        let n = self.slots.len();
+        // How far `to` is past `from`, going round.
+        let dist = |from: usize, to: usize| if to >= from { to - from } else { to + n - from };
         let mut i = hole;
         loop {
-            i = (i + 1) & mask;
-            let (k, v) = self.slots[i];
-            if v == 0 {
+            i = if i + 1 == n { 0 } else { i + 1 };
+            let s = self.slots[i];
+            if !s.used() {
                 break;
             }
-            let home = (hasher.hash_one(k) as usize) & mask;
-            // `k` may move to the hole if its home is not in (hole, i].
-            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
-                self.slots[hole] = (k, v);
+            let at = home(hasher.hash_one(s.key()), n);
+            // The key may move to the hole if its home is not in (hole, i].
+            if dist(at, i) >= dist(hole, i) {
+                self.slots[hole] = s;
                 hole = i;
             }
         }
-        self.slots[hole] = (0, 0);
+        self.slots[hole] = S::EMPTY;
         self.len -= 1;
         if self.len == 0 {
             self.slots = Vec::new();
         }
     }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = S> + '_ {
+        self.slots.iter().copied().filter(|s| s.used())
+    }
 }
 
-#[derive(Default)]
-pub struct CountMap {
-    /// One table, or `SHARDS` once the map outgrew `SPLIT_AT` keys.
-    tables: Vec<Table>,
+/// Tables of slots, one or (past `SPLIT_AT` keys) `SHARDS` of them by the
+/// top bits of a key's hash, so that growing rehashes one table, not all
+/// of them: at a million keys one growth of all of them stopped the event
+/// loop for a noticeable pause. The maps over it (`CountMap`,
+/// `sharded::ShardedMap`) give the slots their meaning.
+pub(crate) struct Tables<S> {
+    tables: Vec<Table<S>>,
     len: usize,
     hasher: RandomState,
 }
 
-impl CountMap {
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+impl<S> Default for Tables<S> {
+    fn default() -> Self {
+        Tables { tables: Vec::new(), len: 0, hasher: RandomState::default() }
+    }
+}
+
+impl<S: Slot> Tables<S> {
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     /// `key`'s hash and its table.
@@ -113,29 +180,48 @@ impl CountMap {
         (h, t)
     }
 
+    /// `key`'s slot, when it is there.
     #[inline]
-    pub fn get(&self, key: u64) -> u64 {
+    pub(crate) fn get(&self, key: u64) -> Option<&S> {
         if self.len == 0 {
-            return 0;
+            return None;
         }
         let (h, t) = self.locate(key);
         let table = &self.tables[t];
         if table.len == 0 {
-            return 0;
+            return None;
         }
         match table.find(key, h) {
-            (i, true) => table.slots[i].1,
-            _ => 0,
+            (i, true) => Some(&table.slots[i]),
+            _ => None,
         }
     }
 
-    pub fn contains(&self, key: u64) -> bool {
-        self.get(key) != 0
+    /// `key`'s slot (its hash, table and place), when it is there.
+    #[inline]
+    fn position(&self, key: u64) -> Option<(usize, usize)> {
+        if self.len == 0 {
+            return None;
+        }
+        let (h, t) = self.locate(key);
+        let table = &self.tables[t];
+        if table.len == 0 {
+            return None;
+        }
+        match table.find(key, h) {
+            (i, true) => Some((t, i)),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut S> {
+        let (t, i) = self.position(key)?;
+        Some(&mut self.tables[t].slots[i])
     }
 
     /// Asks for `key`'s cache line ahead of a `get`.
     #[inline]
-    pub fn prefetch(&self, key: u64) {
+    pub(crate) fn prefetch(&self, key: u64) {
         if self.len == 0 {
             return;
         }
@@ -146,14 +232,16 @@ impl CountMap {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            let p = &slots[(h as usize) & (slots.len() - 1)] as *const (u64, u64) as *const i8;
+            let p = &slots[home(h, slots.len())] as *const S as *const i8;
             // SAFETY: a prefetch is a hint; the address is in the array.
             unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = h;
     }
 
     /// Room for `n` more keys without growing (spread evenly when split).
-    pub fn reserve(&mut self, n: usize) {
+    pub(crate) fn reserve(&mut self, n: usize) {
         self.split_if(self.len + n);
         let room = share(n, self.tables.len() == SHARDS);
         for table in &mut self.tables {
@@ -176,11 +264,74 @@ impl CountMap {
         for table in &mut self.tables {
             table.reserve(room, &self.hasher);
         }
-        for (k, v) in old.slots {
-            if v != 0 {
-                self.put(k, |_| v);
-            }
+        // Counted again as they go in.
+        self.len = 0;
+        for s in old.iter() {
+            let (slot, _) = self.slot_for(s.key());
+            *slot = s;
         }
+    }
+
+    /// `key`'s slot, made room for if absent (then empty: the caller fills
+    /// it); whether it was there. The slot must not be left empty.
+    #[inline]
+    pub(crate) fn slot_for(&mut self, key: u64) -> (&mut S, bool) {
+        self.split_if(self.len + 1);
+        let (h, t) = self.locate(key);
+        let table = &mut self.tables[t];
+        table.reserve(1, &self.hasher);
+        let (i, found) = table.find(key, h);
+        if !found {
+            table.len += 1;
+            self.len += 1;
+        }
+        (&mut table.slots[i], found)
+    }
+
+    /// Takes `key`'s slot out; what it held.
+    pub(crate) fn remove(&mut self, key: u64) -> Option<S> {
+        let (t, i) = self.position(key)?;
+        let table = &mut self.tables[t];
+        let s = table.slots[i];
+        table.remove_at(i, &self.hasher);
+        self.len -= 1;
+        Some(s)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &S> + '_ {
+        self.tables.iter().flat_map(|t| t.slots.iter().filter(|s| s.used()))
+    }
+}
+
+/// identity -> non-zero u64 (see the module doc).
+#[derive(Default)]
+pub struct CountMap {
+    slots: Tables<(u64, u64)>,
+}
+
+impl CountMap {
+    pub fn is_empty(&self) -> bool {
+        self.slots.len() == 0
+    }
+
+    #[inline]
+    pub fn get(&self, key: u64) -> u64 {
+        self.slots.get(key).map_or(0, |s| s.1)
+    }
+
+    pub fn contains(&self, key: u64) -> bool {
+        self.get(key) != 0
+    }
+
+    /// Asks for `key`'s cache line ahead of a `get`.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        self.slots.prefetch(key);
+    }
+
+    /// Room for `n` more keys without growing (spread evenly when split).
+    pub fn reserve(&mut self, n: usize) {
+        self.slots.reserve(n);
     }
 
     /// Sets `value`'s bits under `key` (inserted if absent, `value` != 0);
@@ -197,28 +348,10 @@ impl CountMap {
     /// `f` of the value under `key` (0 when absent) becomes its value; the
     /// old value is returned. `f` must not return 0.
     fn update(&mut self, key: u64, f: impl FnOnce(u64) -> u64) -> u64 {
-        self.split_if(self.len + 1);
-        let (old, found) = self.put(key, f);
-        if !found {
-            self.len += 1;
-        }
+        let (slot, found) = self.slots.slot_for(key);
+        let old = if found { slot.1 } else { 0 };
+        *slot = (key, f(old));
         old
-    }
-
-    /// `update` within the key's table, which has room or is made some;
-    /// returns the old value and whether the key was there.
-    #[inline]
-    fn put(&mut self, key: u64, f: impl FnOnce(u64) -> u64) -> (u64, bool) {
-        let (h, t) = self.locate(key);
-        let table = &mut self.tables[t];
-        table.reserve(1, &self.hasher);
-        let (i, found) = table.find(key, h);
-        let old = if found { table.slots[i].1 } else { 0 };
-        table.slots[i] = (key, f(old));
-        if !found {
-            table.len += 1;
-        }
-        (old, found)
     }
 
     /// Clears `bits` under `key`; the key goes when no bit is left.
@@ -232,29 +365,19 @@ impl CountMap {
     }
 
     fn change(&mut self, key: u64, f: impl FnOnce(u64) -> u64) {
-        if self.len == 0 {
+        let Some(slot) = self.slots.get_mut(key) else {
             return;
-        }
-        let (h, t) = self.locate(key);
-        let table = &mut self.tables[t];
-        if table.len == 0 {
-            return;
-        }
-        let (i, found) = table.find(key, h);
-        if !found {
-            return;
-        }
-        let v = f(table.slots[i].1);
+        };
+        let v = f(slot.1);
         if v != 0 {
-            table.slots[i].1 = v;
+            slot.1 = v;
         } else {
-            table.remove_at(i, &self.hasher);
-            self.len -= 1;
+            self.slots.remove(key);
         }
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.tables.iter().flat_map(|t| t.slots.iter().copied().filter(|&(_, v)| v != 0))
+        self.slots.iter().copied()
     }
 }
 
@@ -292,6 +415,7 @@ mod tests {
             }
         }
         assert_eq!(map.is_empty(), reference.is_empty());
+        assert_eq!(map.slots.len(), reference.len());
         let mut seen: Vec<(u64, u64)> = map.iter().collect();
         let mut want: Vec<(u64, u64)> = reference.iter().map(|(&k, &v)| (k, v)).collect();
         seen.sort_unstable();

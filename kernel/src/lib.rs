@@ -10,6 +10,7 @@ mod count_map;
 mod engine_wire;
 mod lane;
 mod query_json;
+mod seq_set;
 mod shape;
 mod sharded;
 mod small_int;

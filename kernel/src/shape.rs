@@ -1,8 +1,10 @@
 //! `AnswerShape`: `kvconductor/answer_shape.py`'s `PyAnswerShape`, compiled.
 //! The answer is made here, as dicts with interned keys or as the JSON the
 //! HTTP API sends, with the owners' names and `DP` keys made once per
-//! layout, not once per query.
+//! layout, not once per query, and the layout made again in Rust after a
+//! change of owners (`set_instance`).
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use pyo3::prelude::*;
@@ -11,10 +13,16 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 struct Rank {
     slot: usize,
     rank: i64,
-    key: Py<PyString>,
+    /// Its `DP` key, in `AnswerShape::keys`.
+    key: u32,
 }
 
 struct Instance {
+    /// The name in UTF-32-BE, whose byte order is code point order (that
+    /// of Python's `sorted`): `AnswerShape::instances` is sorted by it.
+    order: Vec<u8>,
+    /// Its (rank, slot)s in rank order, as `set_instance` gave them.
+    listed: Vec<(i64, usize)>,
     name: Py<PyString>,
     /// The name as a JSON string, quotes included (msgspec's encoding).
     name_json: Vec<u8>,
@@ -29,43 +37,125 @@ struct Instance {
 type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<u8>, Vec<(i64, usize)>)>;
 
 /// Blocks matched by one owner: GPU, CPU, DISK.
-type Lengths = (u64, u64, u64);
+pub(crate) type Lengths = (u64, u64, u64);
 
 /// Owner slots whose answer table fits on the stack (8 KB).
 const STACK_SLOTS: usize = 256;
 
-#[pyclass(frozen, module = "kvconductor._kernel")]
+/// `kvconductor/answer_shape.py`'s `SPARSE`.
+const SPARSE: usize = 8;
+
+/// `AnswerShape::place` of a slot no owner has.
+const NO_PLACE: u32 = u32::MAX;
+
+#[pyclass(module = "kvconductor._kernel")]
 pub struct AnswerShape {
     tenant: Py<PyString>,
     tenant_json: Vec<u8>,
     block_size: u64,
+    /// In name order.
     instances: Vec<Instance>,
+    /// `DP` keys, made once per rank number, not once per owner.
+    keys: Vec<Py<PyString>>,
+    key_of: HashMap<i64, u32>,
+    /// Whether an instance changed since `ranks` and `place` were laid out.
+    stale: bool,
     ranks: Vec<Rank>,
     slots: usize,
+    /// Per slot, its instance's index in `instances` (or `NO_PLACE`).
+    place: Vec<u32>,
+}
+
+/// The listed owners' lengths by slot: a table of every slot, or (for a
+/// few owners) the listed ones sorted by slot.
+enum BySlot<'a> {
+    Dense(&'a [Option<Lengths>]),
+    Sparse(&'a [(usize, Lengths)]),
+}
+
+impl BySlot<'_> {
+    #[inline]
+    fn get(&self, slot: usize) -> Option<Lengths> {
+        match self {
+            BySlot::Dense(table) => table[slot],
+            BySlot::Sparse(listed) => listed.binary_search_by_key(&slot, |l| l.0).ok().map(|i| listed[i].1),
+        }
+    }
 }
 
 impl AnswerShape {
-    /// Per slot, the listed owners' lengths, in `table` (`self.slots` of
-    /// them, all None).
-    fn by_slot(&self, lengths: &Bound<'_, PyList>, hits_only: bool, table: &mut [Option<Lengths>]) -> PyResult<()> {
-        for item in lengths.iter() {
-            let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
-            if (d != 0 || !hits_only) && slot < self.slots {
-                table[slot] = Some((g, c, d));
+    /// The ranks and slots the answers read, laid out again if stale.
+    fn lay_out(&mut self) {
+        if !self.stale {
+            return;
+        }
+        self.stale = false;
+        self.ranks.clear();
+        let mut slots = 0;
+        for inst in &mut self.instances {
+            let start = self.ranks.len();
+            for &(rank, slot) in &inst.listed {
+                slots = slots.max(slot + 1);
+                self.ranks.push(Rank { slot, rank, key: self.key_of[&rank] });
+            }
+            inst.ranks = start..self.ranks.len();
+        }
+        self.place.clear();
+        self.place.resize(slots, NO_PLACE);
+        for (i, inst) in self.instances.iter().enumerate() {
+            for r in &self.ranks[inst.ranks.clone()] {
+                self.place[r.slot] = i as u32;
             }
         }
-        Ok(())
+        self.slots = slots;
     }
 
-    /// `f` with `by_slot`'s table, on the stack for up to `STACK_SLOTS`
-    /// owners: a 4 KB heap table a query cost ~5 us in malloc, which
-    /// consolidates its fast bins before every request of that size.
+    /// `f` with the listed owners' lengths by slot and the instances to
+    /// visit (those of the listed owners, in name order). For up to
+    /// `STACK_SLOTS` owners the table is on the stack: a 4 KB heap table a
+    /// query cost ~5 us in malloc, which consolidates its fast bins before
+    /// every request of that size. For fewer owners than one in `SPARSE`
+    /// instances (a query's `instance_id`) only theirs are visited: with
+    /// thousands of owners a table and a pass over every instance were
+    /// most of such an answer.
     fn with_by_slot<T>(
         &self,
         lengths: &Bound<'_, PyList>,
         hits_only: bool,
-        f: impl FnOnce(&[Option<Lengths>]) -> PyResult<T>,
+        f: impl FnOnce(&BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
     ) -> PyResult<T> {
+        let mut listed = Vec::with_capacity(lengths.len());
+        for item in lengths.iter() {
+            let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
+            if d != 0 || !hits_only {
+                listed.push((slot, (g, c, d)));
+            }
+        }
+        self.with_listed(listed, f)
+    }
+
+    /// `with_by_slot` for lengths already read.
+    fn with_listed<T>(
+        &self,
+        mut listed: Vec<(usize, Lengths)>,
+        f: impl FnOnce(&BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
+    ) -> PyResult<T> {
+        listed.retain(|l| l.0 < self.slots);
+        if listed.len() * SPARSE < self.instances.len() {
+            // A slot listed twice keeps its last lengths, as the table does.
+            listed.sort_by_key(|l| l.0);
+            listed.dedup_by(|later, kept| {
+                let same = later.0 == kept.0;
+                if same {
+                    *kept = *later;
+                }
+                same
+            });
+            let mut places: Vec<u32> = listed.iter().map(|l| self.place[l.0]).filter(|&p| p != NO_PLACE).collect();
+            places.sort_unstable();
+            places.dedup();
+            return f(&BySlot::Sparse(&listed), Some(&places));
+        }
         let mut stack = [None; STACK_SLOTS];
         let mut heap = Vec::new();
         let table = if self.slots <= STACK_SLOTS {
@@ -74,18 +164,24 @@ impl AnswerShape {
             heap.resize(self.slots, None);
             &mut heap[..]
         };
-        self.by_slot(lengths, hits_only, table)?;
-        f(table)
+        for (slot, m) in listed {
+            table[slot] = Some(m);
+        }
+        f(&BySlot::Dense(table), None)
     }
 
-    /// Each listed instance with its listed ranks' lengths and its best
-    /// rank's: largest DISK, then GPU, then CPU; ties keep the lower rank.
+    /// Each visited instance (`visit`: their indices; None: all) with a
+    /// listed rank, with its listed ranks' lengths and its best rank's:
+    /// largest DISK, then GPU, then CPU; ties keep the lower rank.
     fn rows<'s>(
         &'s self,
-        by_slot: &'s [Option<Lengths>],
+        by_slot: &'s BySlot<'s>,
+        visit: Option<&'s [u32]>,
     ) -> impl Iterator<Item = (&'s Instance, Lengths, impl Iterator<Item = (&'s Rank, Lengths)>)> {
-        self.instances.iter().filter_map(move |inst| {
-            let listed = move || self.ranks[inst.ranks.clone()].iter().filter_map(move |r| by_slot[r.slot].map(|m| (r, m)));
+        let all = visit.is_none().then(|| self.instances.iter()).into_iter().flatten();
+        let some = visit.into_iter().flatten().map(|&p| &self.instances[p as usize]);
+        all.chain(some).filter_map(move |inst| {
+            let listed = move || self.ranks[inst.ranks.clone()].iter().filter_map(move |r| by_slot.get(r.slot).map(|m| (r, m)));
             let best = listed().map(|(_, m)| m).reduce(|b, m| {
                 if (m.2, m.0, m.1) > (b.2, b.0, b.1) {
                     m
@@ -101,29 +197,61 @@ impl AnswerShape {
 #[pymethods]
 impl AnswerShape {
     #[new]
-    fn new(tenant: Bound<'_, PyString>, tenant_json: Vec<u8>, block_size: u64, layout: Layout<'_>) -> Self {
-        let mut slots = 0;
-        let mut instances = Vec::with_capacity(layout.len());
-        let mut all_ranks = Vec::new();
+    fn new(tenant: Bound<'_, PyString>, tenant_json: Vec<u8>, block_size: u64, layout: Layout<'_>) -> PyResult<Self> {
+        let mut shape = AnswerShape {
+            tenant: tenant.unbind(),
+            tenant_json,
+            block_size,
+            instances: Vec::new(),
+            keys: Vec::new(),
+            key_of: HashMap::new(),
+            stale: true,
+            ranks: Vec::new(),
+            slots: 0,
+            place: Vec::new(),
+        };
         for (name, name_json, ranks) in layout {
-            let py = name.py();
-            let start = all_ranks.len();
-            all_ranks.extend(ranks.into_iter().map(|(rank, slot)| {
-                slots = slots.max(slot + 1);
-                Rank { slot, rank, key: PyString::new(py, &rank.to_string()).unbind() }
-            }));
-            instances.push(Instance { name: name.unbind(), name_json, ranks: start..all_ranks.len() });
+            shape.set_instance(name, name_json, ranks)?;
         }
-        AnswerShape { tenant: tenant.unbind(), tenant_json, block_size, instances, ranks: all_ranks, slots }
+        Ok(shape)
+    }
+
+    /// One instance's (rank, slot)s, in rank order, in place of what it
+    /// had (none: the instance goes). A change of owners costs this and,
+    /// at the next answer, a pass over the owners' slots in Rust, where
+    /// making the whole shape again in Python cost ~40 ms at 10,000 owners.
+    fn set_instance(&mut self, name: Bound<'_, PyString>, name_json: Vec<u8>, ranks: Vec<(i64, usize)>) -> PyResult<()> {
+        let py = name.py();
+        let order: Vec<u8> = name.call_method1("encode", ("utf-32-be", "surrogatepass"))?.extract()?;
+        for &(rank, _) in &ranks {
+            if !self.key_of.contains_key(&rank) {
+                self.key_of.insert(rank, self.keys.len() as u32);
+                self.keys.push(PyString::new(py, &rank.to_string()).unbind());
+            }
+        }
+        match self.instances.binary_search_by(|i| i.order.as_slice().cmp(&order)) {
+            Ok(i) if ranks.is_empty() => {
+                self.instances.remove(i);
+            }
+            Ok(i) => self.instances[i].listed = ranks,
+            Err(_) if ranks.is_empty() => {}
+            Err(i) => {
+                let inst = Instance { order, listed: ranks, name: name.unbind(), name_json, ranks: 0..0 };
+                self.instances.insert(i, inst);
+            }
+        }
+        self.stale = true;
+        Ok(())
     }
 
     fn shape<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         lengths: &Bound<'py, PyList>,
         hits_only: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.with_by_slot(lengths, hits_only, |by_slot| {
+        self.lay_out();
+        self.with_by_slot(lengths, hits_only, |by_slot, visit| {
             let bs = self.block_size;
             let keys = [
                 pyo3::intern!(py, "longest_matched"),
@@ -133,7 +261,7 @@ impl AnswerShape {
                 pyo3::intern!(py, "DP"),
             ];
             let out = PyDict::new(py);
-            for (inst, (g, c, d), ranks) in self.rows(by_slot) {
+            for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
                 // One int object wherever the row repeats a number (DISK is
                 // longest_matched, and GPU or CPU often equal it): at a hundred
                 // instances the answer's allocations are most of its cost.
@@ -141,7 +269,7 @@ impl AnswerShape {
                 let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
                 let dp = PyDict::new(py);
                 for (rank, m) in ranks {
-                    dp.set_item(rank.key.bind(py), same(m.2)?)?;
+                    dp.set_item(self.keys[rank.key as usize].bind(py), same(m.2)?)?;
                 }
                 let row = PyDict::new(py);
                 row.set_item(keys[0], &disk)?;
@@ -161,45 +289,61 @@ impl AnswerShape {
 
     /// `shape`'s answer (with every listed owner) as the JSON msgspec
     /// writes for it.
-    fn shape_json<'py>(&self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
-        self.with_by_slot(lengths, false, |by_slot| {
-            let bs = self.block_size;
-            // `{tenant:{` then the rows; with no row, the answer is `{}`.
-            let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * self.instances.len());
-            out.push(b'{');
-            out.extend_from_slice(&self.tenant_json);
-            out.push(b':');
-            let head = out.len();
-            let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
-            for (inst, (g, c, d), ranks) in self.rows(by_slot) {
-                out.push(if out.len() == head { b'{' } else { b',' });
-                out.extend_from_slice(&inst.name_json);
-                let d = disk.format(d * bs).as_bytes();
-                out.extend_from_slice(b":{\"longest_matched\":");
-                out.extend_from_slice(d);
-                out.extend_from_slice(b",\"GPU\":");
-                out.extend_from_slice(num.format(g * bs).as_bytes());
-                out.extend_from_slice(b",\"CPU\":");
-                out.extend_from_slice(num.format(c * bs).as_bytes());
-                out.extend_from_slice(b",\"DISK\":");
-                out.extend_from_slice(d);
-                out.extend_from_slice(b",\"DP\":{");
-                for (i, (rank, m)) in ranks.enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    out.push(b'"');
-                    out.extend_from_slice(num.format(rank.rank).as_bytes());
-                    out.extend_from_slice(b"\":");
-                    out.extend_from_slice(num.format(m.2 * bs).as_bytes());
+    fn shape_json<'py>(&mut self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
+        self.lay_out();
+        let rows = lengths.len().min(self.instances.len());
+        self.with_by_slot(lengths, false, |by_slot, visit| self.write_json(py, rows, by_slot, visit))
+    }
+}
+
+impl AnswerShape {
+    /// `shape_json`'s answer for lengths a walk left in Rust (no tuple an
+    /// owner: at 10,000 owners making and reading them was most of an
+    /// answer that lists them all).
+    pub(crate) fn json_of<'py>(&mut self, py: Python<'py>, listed: Vec<(usize, Lengths)>) -> PyResult<Bound<'py, PyBytes>> {
+        self.lay_out();
+        let rows = listed.len().min(self.instances.len());
+        self.with_listed(listed, |by_slot, visit| self.write_json(py, rows, by_slot, visit))
+    }
+
+    /// The JSON answer of `rows` rows at most (a capacity hint).
+    fn write_json<'py>(&self, py: Python<'py>, rows: usize, by_slot: &BySlot<'_>, visit: Option<&[u32]>) -> PyResult<Bound<'py, PyBytes>> {
+        let bs = self.block_size;
+        // `{tenant:{` then the rows; with no row, the answer is `{}`.
+        let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
+        out.push(b'{');
+        out.extend_from_slice(&self.tenant_json);
+        out.push(b':');
+        let head = out.len();
+        let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
+        for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
+            out.push(if out.len() == head { b'{' } else { b',' });
+            out.extend_from_slice(&inst.name_json);
+            let d = disk.format(d * bs).as_bytes();
+            out.extend_from_slice(b":{\"longest_matched\":");
+            out.extend_from_slice(d);
+            out.extend_from_slice(b",\"GPU\":");
+            out.extend_from_slice(num.format(g * bs).as_bytes());
+            out.extend_from_slice(b",\"CPU\":");
+            out.extend_from_slice(num.format(c * bs).as_bytes());
+            out.extend_from_slice(b",\"DISK\":");
+            out.extend_from_slice(d);
+            out.extend_from_slice(b",\"DP\":{");
+            for (i, (rank, m)) in ranks.enumerate() {
+                if i > 0 {
+                    out.push(b',');
                 }
-                out.extend_from_slice(b"}}");
-            }
-            if out.len() == head {
-                return Ok(PyBytes::new(py, b"{}"));
+                out.push(b'"');
+                out.extend_from_slice(num.format(rank.rank).as_bytes());
+                out.extend_from_slice(b"\":");
+                out.extend_from_slice(num.format(m.2 * bs).as_bytes());
             }
             out.extend_from_slice(b"}}");
-            Ok(PyBytes::new(py, &out))
-        })
+        }
+        if out.len() == head {
+            return Ok(PyBytes::new(py, b"{}"));
+        }
+        out.extend_from_slice(b"}}");
+        Ok(PyBytes::new(py, &out))
     }
 }

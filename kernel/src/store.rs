@@ -25,7 +25,9 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::count_map::CountMap;
-use crate::sharded::ShardedMap;
+use crate::seq_set::SeqSet;
+use crate::shape::AnswerShape;
+use crate::sharded::{ShardedMap, Vacant};
 
 const DEVICE: usize = 0;
 const HOST: usize = 1;
@@ -45,15 +47,23 @@ fn next_version() -> u64 {
 
 // ------------------------------------------------------------------ catalog
 
+#[derive(Clone, Copy)]
 struct Block {
     ident: u64,
-    /// Holders; 0: retired (queued).
+    /// Holders; 0: retired (queued). Never `u32::MAX` (an empty slot's).
     refs: u32,
     /// The stamp of the block's live retired record, when retired. Stamps
     /// wrap at 2^32; a stale record could only be mistaken for a live one
     /// after 2^32 newer records, more than the queue can hold (compaction
     /// keeps it below twice its live records).
     stamp: u32,
+}
+
+impl Vacant for Block {
+    const VACANT: Self = Block { ident: 0, refs: u32::MAX, stamp: 0 };
+    fn is_vacant(&self) -> bool {
+        self.refs == u32::MAX
+    }
 }
 
 struct Record {
@@ -234,7 +244,7 @@ impl Catalog {
 /// An owner tier or a pool store: the sequence hashes it holds and the
 /// query map it keeps counted.
 trait Holder {
-    fn set(&mut self) -> &mut HashSet<u64>;
+    fn set(&mut self) -> &mut SeqSet;
     fn count(&mut self, seq: u64, ident: u64) -> PyResult<()>;
     fn uncount(&mut self, ident: u64);
     /// Room for `n` more blocks.
@@ -242,7 +252,7 @@ trait Holder {
 }
 
 struct OwnerTier<'a> {
-    set: &'a mut HashSet<u64>,
+    set: &'a mut SeqSet,
     /// The tier's masks for the owner's 64-slot word.
     masks: &'a mut CountMap,
     /// (tier, identity) -> holders beyond the first.
@@ -252,7 +262,7 @@ struct OwnerTier<'a> {
 }
 
 impl Holder for OwnerTier<'_> {
-    fn set(&mut self) -> &mut HashSet<u64> {
+    fn set(&mut self) -> &mut SeqSet {
         self.set
     }
 
@@ -282,14 +292,14 @@ impl Holder for OwnerTier<'_> {
 }
 
 struct PoolBlocks<'a, 'py> {
-    set: &'a mut HashSet<u64>,
+    set: &'a mut SeqSet,
     counts: &'a mut CountMap,
     /// Where newly held hashes are reported.
     placed_out: Option<&'a Bound<'py, PyList>>,
 }
 
 impl Holder for PoolBlocks<'_, '_> {
-    fn set(&mut self) -> &mut HashSet<u64> {
+    fn set(&mut self) -> &mut SeqSet {
         self.set
     }
 
@@ -583,16 +593,22 @@ fn prefetch(m: Option<&CountMap>, id: u64) {
     }
 }
 
+/// The JSON answer of a walk's lengths (`AnswerShape::json_of`).
+fn answer_json<'py>(shape: &Bound<'py, AnswerShape>, found: Vec<(usize, u32, u32, u32)>) -> PyResult<Bound<'py, PyBytes>> {
+    let listed = found.into_iter().map(|(s, g, c, d)| (s, (u64::from(g), u64::from(c), u64::from(d)))).collect();
+    shape.borrow_mut().json_of(shape.py(), listed)
+}
+
 // -------------------------------------------------------------------- store
 
 struct Owner {
-    tiers: [HashSet<u64>; TIERS],
+    tiers: [SeqSet; TIERS],
     dups: HashMap<(u8, u64), u32>,
 }
 
 struct Pool {
     tier: usize,
-    blocks: HashSet<u64>,
+    blocks: SeqSet,
 }
 
 /// Owner tiers and pools frozen at an open cut (`freeze_owner`,
@@ -609,14 +625,14 @@ struct Frozen {
 
 impl Frozen {
     /// Before `held` (an owner's tier) changes or goes.
-    fn keep_tier(&mut self, slot: usize, tier: usize, held: &HashSet<u64>) {
+    fn keep_tier(&mut self, slot: usize, tier: usize, held: &SeqSet) {
         if !self.tiers.is_empty() && self.tiers.remove(&(slot, tier)) {
             self.kept_tiers.insert((slot, tier), held.iter().copied().collect());
         }
     }
 
     /// Before `held` (a pool store's blocks) changes or goes.
-    fn keep_pool(&mut self, pid: i64, held: &HashSet<u64>) {
+    fn keep_pool(&mut self, pid: i64, held: &SeqSet) {
         if !self.pools.is_empty() && self.pools.remove(&pid) {
             self.kept_pools.insert(pid, held.iter().copied().collect());
         }
@@ -689,14 +705,14 @@ impl BlockStore {
         Ok((&mut self.cat, h))
     }
 
-    fn export_seqs<'py>(py: Python<'py>, held: &HashSet<u64>) -> Bound<'py, PyBytes> {
+    fn export_seqs<'py>(py: Python<'py>, held: &SeqSet) -> Bound<'py, PyBytes> {
         pack(py, held.iter().copied())
     }
 
     fn export<'py>(
         &self,
         py: Python<'py>,
-        held: &HashSet<u64>,
+        held: &SeqSet,
     ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
         let idents = pack(py, held.iter().map(|&s| self.cat.held_ident(s)));
         (Self::export_seqs(py, held), idents)
@@ -876,7 +892,7 @@ impl BlockStore {
     }
 
     pub(crate) fn size_of(&self, slot: usize) -> Option<usize> {
-        self.owners.get(&slot).map(|o| o.tiers.iter().map(HashSet::len).sum())
+        self.owners.get(&slot).map(|o| o.tiers.iter().map(SeqSet::len).sum())
     }
 
     /// (placed, hash conflicts); `room` as `place_owner`'s.
@@ -1106,7 +1122,7 @@ impl BlockStore {
     }
 
     fn owner_size(&self, slot: usize) -> PyResult<usize> {
-        Ok(self.owner(slot)?.tiers.iter().map(HashSet::len).sum())
+        Ok(self.owner(slot)?.tiers.iter().map(SeqSet::len).sum())
     }
 
     fn tier_len(&self, slot: usize, tier: usize) -> PyResult<usize> {
@@ -1115,7 +1131,7 @@ impl BlockStore {
 
     fn count_new(&self, slot: usize, tier: usize, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
         let held = &self.owner(slot)?.tiers[tier_ix(tier)?];
-        Ok(u64s(seqs)?.iter().filter(|s| !held.contains(*s)).count())
+        Ok(u64s(seqs)?.iter().filter(|s| !held.contains(s)).count())
     }
 
     fn place_owner(
@@ -1176,7 +1192,7 @@ impl BlockStore {
 
     fn add_pool(&mut self, pid: i64, tier: usize) -> PyResult<()> {
         let tier = tier_ix(tier)?;
-        self.pools.insert(pid, Pool { tier, blocks: HashSet::new() });
+        self.pools.insert(pid, Pool { tier, blocks: SeqSet::default() });
         Ok(())
     }
 
@@ -1267,6 +1283,31 @@ impl BlockStore {
         self.matched(&mut prompt, listed)
     }
 
+    /// `shape.shape_json(match_tokens(...))`, the lengths never made
+    /// Python objects.
+    #[pyo3(signature = (data, block_size, seed, listed, shape))]
+    fn match_tokens_json<'py>(
+        &self,
+        data: &[u8],
+        block_size: usize,
+        seed: u64,
+        listed: &Bound<'py, PyAny>,
+        shape: &Bound<'py, AnswerShape>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        answer_json(shape, self.match_tokens(data, block_size, seed, listed)?)
+    }
+
+    /// `shape.shape_json(match_identities(...))`, likewise.
+    #[pyo3(signature = (idents, listed, shape))]
+    fn match_identities_json<'py>(
+        &self,
+        idents: &Bound<'py, PyAny>,
+        listed: &Bound<'py, PyAny>,
+        shape: &Bound<'py, AnswerShape>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        answer_json(shape, self.match_identities(idents, listed)?)
+    }
+
     // --------------------------------------------------------------- tests
 
     /// Every map as `PyBlockStore.dump` gives it.
@@ -1299,7 +1340,7 @@ impl BlockStore {
         for counts in &self.pool_counts {
             pool_counts.append(counts.iter().collect::<std::collections::HashMap<_, _>>())?;
         }
-        let held = |set: &HashSet<u64>| -> PyResult<Bound<'py, PyDict>> {
+        let held = |set: &SeqSet| -> PyResult<Bound<'py, PyDict>> {
             let d = PyDict::new(py);
             for &seq in set {
                 d.set_item(seq, cat.held_ident(seq))?;
