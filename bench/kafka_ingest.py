@@ -96,7 +96,11 @@ async def produce(bootstrap: str, topic: str, args: argparse.Namespace) -> int:
     """Pre-produce the records; returns their events."""
     streams = templates(Path(args.fixture))
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=1024 * 1024, acks=1
+        bootstrap_servers=bootstrap,
+        linger_ms=20,
+        max_batch_size=1024 * 1024,
+        acks=1,
+        compression_type=None if args.compression == "none" else args.compression,
     )
     await producer.start()
     events = 0
@@ -311,6 +315,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "partitions": args.partitions,
         "set": args.set,
         "kafka_only": args.kafka_only,
+        "compression": args.compression,
         "seconds": round(s, 3),
         "cpu_s": round(timed["cpu_s"], 3),
         # Neither computing nor waiting for a core: waiting for Kafka.
@@ -329,6 +334,12 @@ def main() -> None:
     p.add_argument("--instances", type=int, default=64)
     p.add_argument("--partitions", type=int, default=6)
     p.add_argument("--mode", choices=("daemon", "consumer"), default="daemon")
+    p.add_argument(
+        "--compression",
+        choices=("none", "gzip", "snappy", "lz4", "zstd"),
+        default="none",
+        help="the pre-produced records' (lz4, snappy and zstd need cramjam)",
+    )
     p.add_argument("--no-snapshots", action="store_true", help="daemon mode: snapshots off")
     p.add_argument("--kafka-only", action="store_true", help="consumer mode: apply nothing")
     p.add_argument("--profile", metavar="FILE", help="consumer mode: cProfile stats to FILE")
