@@ -10,7 +10,7 @@ from its first fetch to caught up, with the CPU it used:
   assigned (`/ready` says "catching up") to `/ready` 200, its CPU from
   /proc. Snapshots are on (`--no-snapshots`: off), as in a real daemon.
 - `--mode consumer`: the daemon's `EventConsumer`, driven in this process
-  with the daemon's consumer options.
+  with the daemon's consumer options, on uvloop as the daemon.
 - `--profile FILE` (consumer mode): cProfile of the catch-up, in FILE.
 - `--kafka-only` (consumer mode): the core takes the records and applies
   none of them: what the Kafka side and the consume loop cost alone.
@@ -356,7 +356,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    print(json.dumps(asyncio.run(main_async(parser().parse_args()))))
+    args = parser().parse_args()
+    try:  # the daemon's loop (kvconductor.cli)
+        import uvloop
+
+        print(json.dumps(uvloop.run(main_async(args))))
+    except ImportError:
+        print(json.dumps(asyncio.run(main_async(args))))
 
 
 if __name__ == "__main__":

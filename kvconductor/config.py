@@ -129,7 +129,7 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     fetch_max_bytes: int = 50 * 1024 * 1024
     max_partition_fetch_bytes: int = 4 * 1024 * 1024
     fetch_min_bytes: int = 1
-    fetch_max_wait_ms: int = 500
+    fetch_max_wait_ms: int = 100
     # Scale-out: several daemons in one group share the work by namespace.
     repartition: bool = False
     repartition_topic: str = "kv-index-input"
