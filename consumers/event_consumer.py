@@ -300,9 +300,10 @@ class EventConsumer:
         dead_lettered = False
         done = 0
         while done < len(ordered):
-            n = self._chunk
+            chunk = incoming[done : done + self._chunk]
+            n = len(chunk)
             began = clock()
-            notices = self.conductor.ingest(incoming[done : done + n])
+            notices = self.conductor.ingest(chunk)
             self._chunk = _next_chunk(n, clock() - began)
             # The index holds the chunk now, its offsets go with it (what a
             # snapshot captures must match), dead letters sent or not.
