@@ -14,7 +14,7 @@ import asyncio
 import heapq
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -26,8 +26,8 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from consumers.dead_letters import DeadLetterWriter
 from consumers.positions import resume_positions
 from consumers.repartitioner import KIND, ORIGIN_KEY
-from kvconductor.core import Conductor
-from kvconductor.errors import BadRecord, DecodeError
+from kvconductor.core import Conductor, Incoming, Notice
+from kvconductor.errors import BadRecord
 from kvconductor.logs import RateLimitedLog
 from kvconductor.metrics import Metrics, PartitionRow
 from kvconductor.records_first import RecordsFirst
@@ -36,6 +36,12 @@ log = structlog.get_logger("kvconductor.consumer")
 
 # Applying time between two chances for queries to run.
 YIELD_AFTER_S = 0.002
+# Records of a batch go to the core in chunks sized to take about a
+# quarter of YIELD_AFTER_S each, by the last chunk's time a record: a record
+# costs from microseconds (the compiled path, short records) to milliseconds
+# (a long prompt in Python), so no fixed count bounds the wait for queries.
+CHUNK_S = YIELD_AFTER_S / 4
+MAX_CHUNK = 1024
 
 
 class PartitionHealth(NamedTuple):
@@ -91,6 +97,20 @@ def in_produce_order(
     return heapq.merge(*by_partition, key=_timestamp)
 
 
+def _next_chunk(n: int, seconds: float) -> int:
+    """The next chunk's length, after `n` records took `seconds`."""
+    if seconds <= 0:
+        return MAX_CHUNK
+    return max(1, min(MAX_CHUNK, int(n * CHUNK_S / seconds)))
+
+
+def _per_topic(batch: Mapping[TopicPartition, list[ConsumerRecord]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for tp, records in batch.items():
+        out[tp.topic] = out.get(tp.topic, 0) + len(records)
+    return out
+
+
 def _timestamp(item: tuple[TopicPartition, ConsumerRecord]) -> int:
     ts: int = item[1].timestamp
     return ts
@@ -136,6 +156,7 @@ class EventConsumer:
         self.on_assign: AssignHook | None = None
         self.caught_up = False
         self.problems = RateLimitedLog("kvconductor.consumer")
+        self._chunk = 1  # records per call into the core (see CHUNK_S)
         # aiokafka runs rebalance callbacks in its coordinator task, so they
         # can fire while a fetched batch is half applied. Applying a batch,
         # the rebalance hooks and checkpoints all hold this lock, and a batch
@@ -220,8 +241,6 @@ class EventConsumer:
         self, batch: dict[TopicPartition, list[ConsumerRecord]], epoch: int
     ) -> int:
         """Apply a fetched batch under the lock; returns the records handled."""
-        handled = 0
-        clock = time.perf_counter
         async with self.lock:
             expected = self.applied_offsets
             if epoch != self.epoch:
@@ -233,21 +252,72 @@ class EventConsumer:
                     if tp in assigned and tp in expected:
                         self.consumer.seek(tp, expected[tp])
                 return 0
-            resume = clock() + YIELD_AFTER_S
-            for tp, record in in_produce_order(batch):
-                if record.offset < expected.get(tp, 0):
-                    continue  # applied already (never apply a record twice)
-                await self._apply(record)
-                expected[tp] = record.offset + 1
-                handled += 1
-                if clock() >= resume:
-                    # Let queries in: a batch takes seconds when behind, and
-                    # a record from 0.01 to 3 ms (counting records let a
-                    # run of long prompts hold queries for 30-50 ms).
-                    await asyncio.sleep(0)
-                    resume = clock() + YIELD_AFTER_S
+            fresh: dict[TopicPartition, list[ConsumerRecord]] = {}
+            for tp, records in batch.items():
+                # Never apply a record twice: what is below the applied
+                # offset was applied already.
+                start = expected.get(tp, 0)
+                if records and records[0].offset < start:
+                    records = [r for r in records if r.offset >= start]
+                if records:
+                    fresh[tp] = records
+            if not fresh:
+                return 0
+            consumed = self.metrics.records_consumed
+            for topic, count in _per_topic(fresh).items():
+                consumed.labels(topic=topic).inc(count)
+            ordered = list(in_produce_order(fresh))
+            await self._apply_records(ordered, self._incoming(ordered))
+        return len(ordered)
+
+    def _incoming(self, ordered: Sequence[tuple[TopicPartition, ConsumerRecord]]) -> list[Incoming]:
+        """The batch's records as the core takes them."""
+        if self.internal_topic is None:
+            pool_topic = self.pool_topic
+            return [
+                Incoming(r.topic == pool_topic, r.key, r.headers, r.value, r.timestamp / 1000.0)
+                for _, r in ordered
+            ]
+        # A repartitioned record says in its headers where it came from.
+        out = []
+        for _, r in ordered:
+            h = dict(r.headers or ())
+            pool = h.get(KIND) == b"pool"
+            out.append(Incoming(pool, h.get(ORIGIN_KEY), r.headers, r.value, r.timestamp / 1000.0))
+        return out
+
+    async def _apply_records(
+        self,
+        ordered: Sequence[tuple[TopicPartition, ConsumerRecord]],
+        incoming: Sequence[Incoming],
+    ) -> None:
+        """Apply records in chunks, moving each partition's applied offset
+        past every record handled (dead-lettered ones too), and letting
+        queries in after `YIELD_AFTER_S` of applying."""
+        expected = self.applied_offsets
+        clock = time.perf_counter
+        resume = clock() + YIELD_AFTER_S
+        dead_lettered = False
+        done = 0
+        while done < len(ordered):
+            chunk = incoming[done : done + self._chunk]
+            n = len(chunk)
+            began = clock()
+            notices = self.conductor.ingest(chunk)
+            self._chunk = _next_chunk(n, clock() - began)
+            # The index holds the chunk now, its offsets go with it (what a
+            # snapshot captures must match), dead letters sent or not.
+            expected.update({tp: r.offset + 1 for tp, r in ordered[done : done + n]})
+            for notice in notices:
+                i = done + notice.index
+                dead_lettered |= await self._notice(ordered[i][1], incoming[i], notice)
+            done += n
+            if clock() >= resume:
+                # Let queries in: a batch takes seconds when behind.
+                await asyncio.sleep(0)
+                resume = clock() + YIELD_AFTER_S
+        if dead_lettered:
             await self.dead_letters.flush()
-        return handled
 
     async def poll_or_back_off(self, timeout_ms: int, doing: str) -> bool:
         """`poll`, for a loop that outlives outages: a Kafka error is logged
@@ -273,35 +343,29 @@ class EventConsumer:
                 )
             )
 
-    async def _apply(self, record: Any) -> None:
+    async def _notice(self, record: Any, incoming: Incoming, notice: Notice) -> bool:
+        """Act on what the core said of a record; returns whether it was
+        dead-lettered."""
+        error = notice.error
         topic = record.topic
-        metrics = self.metrics
-        metrics.records_consumed.labels(topic=topic).inc()
-        key = record.key
-        is_pool = topic == self.pool_topic
-        if topic == self.internal_topic:
-            h = dict(record.headers or ())
-            is_pool = h.get(KIND) == b"pool"
-            key = h.get(ORIGIN_KEY)
-        try:
-            if record.value is None:
-                raise DecodeError("record has no value")
-            if is_pool:
-                applied = self.conductor.ingest_pool_record(
-                    key, record.headers, record.value, record.timestamp / 1000.0
+        if error is not None:
+            if isinstance(error, BadRecord):
+                await self._dead_letter(record, error.kind, error.reason)
+            else:  # a bug in the core must not stop the daemon
+                log.error(
+                    "internal error applying a record",
+                    topic=topic,
+                    offset=record.offset,
+                    exc_info=error,
                 )
-            else:
-                applied = self.conductor.ingest_engine_record(
-                    key, record.headers, record.value, record.timestamp / 1000.0
+                await self._dead_letter(
+                    record, "internal_error", f"{type(error).__name__}: {error}"
                 )
-        except BadRecord as exc:
-            await self._dead_letter(record, exc.kind, exc.reason)
-            return
-        except Exception as exc:  # a bug in the core must not stop the daemon
-            log.exception("internal error applying a record", topic=topic, offset=record.offset)
-            await self._dead_letter(record, "internal_error", f"{type(exc).__name__}: {exc}")
-            return
-        instance = key.decode("utf-8", "replace") if key else ""
+            return True
+        applied = notice.applied
+        assert applied is not None
+        key = incoming.key
+        instance = key.decode("utf-8", "replace") if isinstance(key, bytes) else key or ""
         if applied.resync:
             headers = {k: v.decode("utf-8", "replace") for k, v in record.headers or ()}
             # A bridge attaching to a stream (how each one starts) is routine;
@@ -321,7 +385,7 @@ class EventConsumer:
                 blocks_cleared=applied.blocks,
             )
         if applied.seq_missing:
-            metrics.observe_seq(applied.seq_missing)
+            self.metrics.observe_seq(applied.seq_missing)
             self.problems.warn(
                 f"gap:{instance}",
                 "kv-seq gap: messages missing from the engine's stream",
@@ -331,6 +395,7 @@ class EventConsumer:
                 partition=record.partition,
                 offset=record.offset,
             )
+        return False
 
     async def _dead_letter(self, record: Any, kind: str, reason: str) -> None:
         self.metrics.bad_records.labels(topic=record.topic, kind=kind).inc()
@@ -424,9 +489,19 @@ class EventConsumer:
         assigned = self.consumer.assignment()
         if not assigned:
             return False
-        ends = await self.consumer.end_offsets(list(assigned))
+        # Behind the end the last fetch answer saw, it is behind: said with
+        # no request, which would wait behind the fetch in flight (up to
+        # fetch_max_wait_ms) after every batch while catching up.
+        consumer = self.consumer
         for tp in assigned:
-            if await self.consumer.position(tp) < ends[tp]:
+            end = consumer.last_stable_offset(tp)
+            if end is None or end < 0:
+                end = consumer.highwater(tp)
+            if end is not None and await consumer.position(tp) < end:
+                return False
+        ends = await consumer.end_offsets(list(assigned))
+        for tp in assigned:
+            if await consumer.position(tp) < ends[tp]:
                 return False
         return True
 

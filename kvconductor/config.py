@@ -124,7 +124,12 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     ssl_keyfile: str | None = None
     ssl_password: Secret | None = None
     ssl_password_file: str | None = None
+    # The event consumer's fetches (docs/configuration.md has the measurements).
     fetch_max_records: int = 2000
+    fetch_max_bytes: int = 50 * 1024 * 1024
+    max_partition_fetch_bytes: int = 4 * 1024 * 1024
+    fetch_min_bytes: int = 1
+    fetch_max_wait_ms: int = 100
     # Scale-out: several daemons in one group share the work by namespace.
     repartition: bool = False
     repartition_topic: str = "kv-index-input"
@@ -534,6 +539,9 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
         "replication_factor",
         "min_insync_replicas",
         "fetch_max_records",
+        "fetch_max_bytes",
+        "max_partition_fetch_bytes",
+        "fetch_min_bytes",
         "session_timeout_ms",
         "heartbeat_interval_ms",
         "request_timeout_ms",
@@ -562,6 +570,14 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
         raise fail("kafka", "group_instance_id", "set, but static_membership is false")
     if not k.stale_after_s > 0:
         raise fail("kafka", "stale_after_s", f"must be positive, got {k.stale_after_s}")
+    # A broker holds a fetch up to fetch_max_wait_ms with nothing to send:
+    # as long as the request timeout, an idle partition would look gone.
+    if not 0 <= k.fetch_max_wait_ms < min(k.request_timeout_ms, k.stale_after_s * 1000):
+        raise fail(
+            "kafka",
+            "fetch_max_wait_ms",
+            f"must be in [0, min(request_timeout_ms, stale_after_s)), got {k.fetch_max_wait_ms}",
+        )
     sasl = k.security_protocol.startswith("SASL_")
     ssl = k.security_protocol in ("SSL", "SASL_SSL")
     if sasl:
@@ -669,6 +685,17 @@ def kafka_service_options(kafka: KafkaConfig) -> dict[str, object]:
         **kafka_client_options(kafka),
         "request_timeout_ms": kafka.request_timeout_ms,
         "metadata_max_age_ms": kafka.metadata_max_age_ms,
+    }
+
+
+def kafka_fetch_options(kafka: KafkaConfig) -> dict[str, object]:
+    """The fetch sizes and wait of a consumer of the event topics (the
+    daemon's, its stage one's); `fetch_max_records` goes to `getmany`."""
+    return {
+        "fetch_max_bytes": kafka.fetch_max_bytes,
+        "max_partition_fetch_bytes": kafka.max_partition_fetch_bytes,
+        "fetch_min_bytes": kafka.fetch_min_bytes,
+        "fetch_max_wait_ms": kafka.fetch_max_wait_ms,
     }
 
 

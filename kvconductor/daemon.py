@@ -43,7 +43,13 @@ from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
 from consumers.routing import group_key, group_partition
 from consumers.topics import Replication, TopicError, TopicSpec, compacted_spec, ensure_topics_on
-from kvconductor.config import Config, kafka_group_options, kafka_service_options, reveal
+from kvconductor.config import (
+    Config,
+    kafka_fetch_options,
+    kafka_group_options,
+    kafka_service_options,
+    reveal,
+)
 from kvconductor.core import Conductor
 from kvconductor.http_api import make_app
 from kvconductor.http_front import QuerySite
@@ -147,7 +153,7 @@ class Daemon:
         events = self.events
         if events is None or not events.consumer.assignment():
             return False, "waiting for partition assignment"
-        # A broker answers a fetch every fetch_max_wait_ms (0.5 s) even when
+        # A broker answers a fetch every kafka.fetch_max_wait_ms even when
         # idle: this long without an answer means it is gone, frozen or
         # unreachable.
         bound = self.cfg.kafka.stale_after_s
@@ -513,7 +519,7 @@ class Daemon:
                 # deleted is handled by the event consumer, counted and logged.
                 auto_offset_reset="none",
                 isolation_level="read_committed",
-                max_partition_fetch_bytes=4 * 1024 * 1024,
+                **kafka_fetch_options(k),
                 **opts,
                 **kafka_group_options(k),
             )
@@ -546,6 +552,7 @@ class Daemon:
                     enable_auto_commit=False,
                     auto_offset_reset="earliest",
                     isolation_level="read_committed",
+                    **kafka_fetch_options(k),
                     **opts,
                     **kafka_group_options(k),
                 )

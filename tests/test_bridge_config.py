@@ -71,6 +71,7 @@ BASE = '[[publishers]]\nid = "e"\nendpoint = "tcp://h:5557"\nmodel = "m"\nblock_
         ('[kafka]\nbootstrap_servers = "nope"\n', {}, "[kafka] bootstrap_servers"),
         ("[bridge]\nbuffer_max_messages = 0\n", {}, "buffer_max_messages: must be at least 1"),
         ("[bridge]\nbatch_size = 1048577\n", {}, "batch_size: must be in [1024, max_request_size"),
+        ('[bridge]\ncompression_type = "brotli"\n', {}, "compression_type: expected one of"),
         (BASE.replace('model = "m"\n', ""), {}, "#1 (e) model: required for an engine"),
         (BASE.replace("block_size = 16\n", ""), {}, "#1 (e) block_size: required"),
         (BASE.replace("tcp://h:5557", "tcp://*:5557"), {}, "tcp://<engine host>:5557"),
@@ -103,6 +104,20 @@ def test_errors_are_one_line_and_name_the_key(
     message = str(info.value)
     assert "\n" not in message
     assert needle in message, message
+
+
+def test_a_codec_aiokafka_cannot_use_is_a_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvconductor.bridge import config
+
+    monkeypatch.setitem(config.CODECS, "zstd", lambda: False)
+    path = tmp_path / "bridge.toml"
+    path.write_text('[bridge]\ncompression_type = "zstd"\n')
+    with pytest.raises(ConfigError, match=r"compression_type: zstd needs the cramjam package"):
+        load_bridge_config(path, env={})
+    cfg = load_bridge_config(None, env={"KVCONDUCTOR_BRIDGE_COMPRESSION_TYPE": "gzip"})
+    assert cfg.bridge.compression_type == "gzip"
 
 
 def test_example_config_lists_every_bridge_key() -> None:

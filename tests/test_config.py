@@ -259,6 +259,14 @@ def test_every_key_is_settable_from_env(tmp_path: Path) -> None:
         ("port = 8787\n", "port: unknown top-level key"),
         ("[kafka]\npartitions = 0\n", "[kafka] partitions: must be at least 1, got 0"),
         ("[kafka]\nfetch_max_records = -1\n", "[kafka] fetch_max_records: must be at least 1"),
+        (
+            "[kafka]\nmax_partition_fetch_bytes = 0\n",
+            "[kafka] max_partition_fetch_bytes: must be at",
+        ),
+        (
+            "[kafka]\nfetch_max_wait_ms = 10000\n",
+            "[kafka] fetch_max_wait_ms: must be in [0, min(request_timeout_ms, stale_after_s))",
+        ),
         ("[kafka]\nreplication_factor = 0\n", "[kafka] replication_factor: must be at least 1"),
         (
             "[kafka]\nreplication_factor = 2\nmin_insync_replicas = 3\n",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 from structlog.testing import capture_logs
 
@@ -14,6 +15,11 @@ from kvconductor.metrics import Metrics
 
 RESYNC = "instance resynchronised: its stream lost messages, stale blocks cleared"
 ATTACHED = "instance resynchronised: the bridge attached to its stream, earlier state unknown"
+
+
+async def _apply(events: EventConsumer, *records: ConsumerRecord[bytes, bytes]) -> None:
+    """The records, fetched as one batch of partition engine/0."""
+    assert await events._apply_batch({TopicPartition("engine", 0): list(records)}, events.epoch)
 
 
 def _resync(instance: str, offset: int) -> ConsumerRecord[bytes, bytes]:
@@ -28,13 +34,12 @@ async def test_resyncs_are_logged_once_a_minute_per_instance() -> None:
     unused: Any = None  # no fetch and no dead letter in this test
     events = EventConsumer(unused, conductor, Metrics(conductor), unused, "engine", "pool", 10)
     with capture_logs() as logs:
-        for offset, instance in enumerate(["a", "a", "a", "b"]):
-            await events._apply(_resync(instance, offset))
+        await _apply(events, *(_resync(i, offset) for offset, i in enumerate(["a", "a", "a", "b"])))
     warned = [(e["instance"], e["suppressed_since_last"]) for e in logs if e["event"] == RESYNC]
     assert warned == [("a", 0), ("b", 0)]
     events.problems.interval_s = 0.0
     with capture_logs() as logs:
-        await events._apply(_resync("a", 4))
+        await _apply(events, _resync("a", 4))
     warned = [(e["instance"], e["suppressed_since_last"]) for e in logs if e["event"] == RESYNC]
     assert warned == [("a", 2)]
 
@@ -50,7 +55,7 @@ async def test_a_bridge_attaching_is_logged_as_routine() -> None:
         ("kv-control-kind", b"attached"),
     ]
     with capture_logs() as logs:
-        await events._apply(record)
+        await _apply(events, record)
     (entry,) = [e for e in logs if e["event"] in (ATTACHED, RESYNC)]
     assert (entry["event"], entry["log_level"]) == (ATTACHED, "info")
     assert entry["reason"] == "bridge attached to the stream: earlier state unknown"

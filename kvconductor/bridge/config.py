@@ -21,8 +21,10 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal
 
 import msgspec
+from aiokafka import codec
 
 from kvconductor import config as base
 from kvconductor.config import (
@@ -36,6 +38,17 @@ from kvconductor.publishers import (
     PublisherConfig,
     publisher_from_mapping,
 )
+
+Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
+# Whether aiokafka can compress (and its consumers decompress) with each:
+# gzip is Python's own; the others need the cramjam package.
+CODECS: dict[str, Callable[[], bool]] = {
+    "none": lambda: True,
+    "gzip": codec.has_gzip,
+    "snappy": codec.has_snappy,
+    "lz4": codec.has_lz4,
+    "zstd": codec.has_zstd,
+}
 
 
 class BridgeSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +71,7 @@ class BridgeSettings(msgspec.Struct, frozen=True, kw_only=True):
     linger_ms: int = 5
     max_request_size: int = 1024 * 1024
     batch_size: int = 512 * 1024
+    compression_type: Compression = "none"
     flush_timeout_s: float = 10.0
 
 
@@ -179,4 +193,10 @@ def _validate_settings(
         raise fail(
             "batch_size",
             f"must be in [1024, max_request_size ({b.max_request_size})], got {b.batch_size}",
+        )
+    if not CODECS[b.compression_type]():
+        raise fail(
+            "compression_type",
+            f"{b.compression_type} needs the cramjam package, not installed "
+            f"(pip install 'aiokafka[{b.compression_type}]')",
         )

@@ -99,6 +99,7 @@ class Sink:
             linger_ms=b.linger_ms,
             max_request_size=b.max_request_size,
             max_batch_size=b.batch_size,
+            compression_type=None if b.compression_type == "none" else b.compression_type,
             **kafka_client_options(k),
         )
 

@@ -1,0 +1,369 @@
+"""The real ingest path's speed on vLLM-shaped records: Kafka → daemon.
+
+    python -m bench.kafka_ingest --bootstrap HOST:PORT [--records 100000] [--mode daemon]
+
+Pre-produces `--records` records to a fresh topic, then times the index
+from its first fetch to caught up, with the CPU it used:
+
+- `--mode daemon` (default): `kvconductor run` in a process of its own,
+  configured by environment to the fresh topics; from its partitions being
+  assigned (`/ready` says "catching up") to `/ready` 200, its CPU from
+  /proc. Snapshots are on (`--no-snapshots`: off), as in a real daemon.
+- `--mode consumer`: the daemon's `EventConsumer`, driven in this process
+  with the daemon's consumer options, on uvloop as the daemon.
+- `--profile FILE` (consumer mode): cProfile of the catch-up, in FILE.
+- `--kafka-only` (consumer mode): the core takes the records and applies
+  none of them: what the Kafka side and the consume loop cost alone.
+
+The records are the dense instances of the vLLM fixture (`hyb-d0`, `hyb-d1`
+of tests/fixtures/vllm-hybrid: vLLM's own KVCacheManager output, every
+removal one hash, 2-3 events a record), their payloads byte for byte,
+re-keyed over `--instances` ids so they spread over the partitions, each
+id replaying one of the two streams with its `kv-seq` consecutive, ids
+interleaved as a fleet produces. Prints one JSON object: records/s,
+events/s, CPU seconds, and the seconds the event loop's thread waited for
+a core (`runqueue_s`, from /proc: the machine was busy) and for anything
+else (`idle_s`: Kafka). The topics are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import cProfile
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+FIXTURE = (
+    Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-hybrid" / "records.jsonl"
+)
+DENSE = ("hyb-d0", "hyb-d1")
+
+
+class Template(msgspec.Struct, frozen=True):
+    headers: list[tuple[str, bytes]]  # without kv-seq
+    value: bytes
+    events: int
+
+
+def templates(path: Path) -> list[list[Template]]:
+    """Each dense instance's records in produce order."""
+    streams: dict[str, list[Template]] = {name: [] for name in DENSE}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["key"] not in streams:
+            continue
+        value = base64.b64decode(row["value_b64"])
+        events = len(msgspec.msgpack.decode(value)[1])
+        headers = [(k, v.encode()) for k, v in row["headers"].items() if k != "kv-seq"]
+        streams[row["key"]].append(Template(headers, value, events))
+    return [streams[name] for name in DENSE]
+
+
+def fleet(
+    streams: list[list[Template]], instances: int, records: int
+) -> Iterator[tuple[bytes, Template, int]]:
+    """(key, template, kv-seq) in produce order: one record per instance in
+    turn, instance i replaying stream i % 2 from its start, round after round."""
+    keys = [f"vllm-{i:04d}".encode() for i in range(instances)]
+    seq = 0
+    made = 0
+    while True:
+        for i, key in enumerate(keys):
+            stream = streams[i % len(streams)]
+            yield key, stream[seq % len(stream)], seq
+            made += 1
+            if made == records:
+                return
+        seq += 1
+
+
+async def produce(bootstrap: str, topic: str, args: argparse.Namespace) -> int:
+    """Pre-produce the records; returns their events."""
+    streams = templates(Path(args.fixture))
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        linger_ms=20,
+        max_batch_size=1024 * 1024,
+        acks=1,
+        compression_type=None if args.compression == "none" else args.compression,
+    )
+    await producer.start()
+    events = 0
+    try:
+        pending = []
+        for key, t, seq in fleet(streams, args.instances, args.records):
+            headers = [*t.headers, ("kv-seq", str(seq).encode())]
+            pending.append(await producer.send(topic, t.value, key=key, headers=headers))
+            events += t.events
+            if len(pending) >= 5000:
+                await asyncio.gather(*pending)
+                pending = []
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+    return events
+
+
+async def make_topics(bootstrap: str, names: list[str], partitions: int) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(n, partitions, 1) for n in names])
+    finally:
+        await admin.close()
+
+
+async def delete_topics(bootstrap: str, prefix: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        mine = [t for t in await admin.list_topics() if t.startswith(prefix)]
+        if mine:
+            await admin.delete_topics(mine)
+    finally:
+        await admin.close()
+
+
+def _env(bootstrap: str, tag: str, args: argparse.Namespace) -> dict[str, str]:
+    sets = dict(kv.split("=", 1) for kv in args.set)
+    return {
+        **{f"KVCONDUCTOR_KAFKA_{k.upper()}": v for k, v in sets.items()},
+        "KVCONDUCTOR_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "KVCONDUCTOR_KAFKA_ENGINE_TOPIC": f"{tag}-events",
+        "KVCONDUCTOR_KAFKA_POOL_TOPIC": f"{tag}-pool",
+        "KVCONDUCTOR_KAFKA_SNAPSHOT_TOPIC": f"{tag}-snapshots",
+        "KVCONDUCTOR_KAFKA_DEAD_LETTER_TOPIC": f"{tag}-dead",
+        "KVCONDUCTOR_KAFKA_REPARTITION_TOPIC": f"{tag}-internal",
+        "KVCONDUCTOR_HTTP_REGISTRATIONS_TOPIC": f"{tag}-registrations",
+        "KVCONDUCTOR_KAFKA_GROUP_ID": tag,
+        "KVCONDUCTOR_KAFKA_CLIENT_ID": tag,
+        "KVCONDUCTOR_HTTP_PORT": "0",
+        "KVCONDUCTOR_SNAPSHOT_ENABLED": "false" if args.no_snapshots else "true",
+        "KVCONDUCTOR_LOG_FORMAT": "json",
+    }
+
+
+class Usage(NamedTuple):
+    """A process's CPU so far, and its main thread's (the event loop's)
+    time waiting for a core: on a shared machine a wait for the CPU is not
+    a wait for Kafka."""
+
+    cpu_s: float
+    runqueue_s: float
+
+    @classmethod
+    def of(cls, pid: int) -> Usage:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cls(cpu, int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9)
+
+
+def _timed(seconds: float, start: Usage, end: Usage) -> dict[str, float]:
+    return {
+        "seconds": seconds,
+        "cpu_s": end.cpu_s - start.cpu_s,
+        "runqueue_s": end.runqueue_s - start.runqueue_s,
+    }
+
+
+def _ready(port: int) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read())
+    return bool(body["ready"]), str(body["reason"])
+
+
+def run_daemon(bootstrap: str, tag: str, args: argparse.Namespace) -> dict[str, float]:
+    env = {**os.environ, **_env(bootstrap, tag, args)}
+    exe = Path(sys.executable).parent / "kvconductor"
+    logs = open(f"/tmp/{tag}.log", "w")  # noqa: SIM115 (the daemon's life)
+    proc = subprocess.Popen([str(exe), "run"], env=env, stdout=logs, stderr=subprocess.STDOUT)
+    try:
+        port = 0
+        deadline = time.monotonic() + 60
+        while not port:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the daemon did not come up: see /tmp/{tag}.log")
+            for line in Path(f"/tmp/{tag}.log").read_text().splitlines():
+                if '"http listening"' in line:
+                    port = int(json.loads(line)["port"])
+            time.sleep(0.05)
+        start, used = 0.0, None
+        while True:
+            ok, reason = _ready(port)
+            now = time.monotonic()
+            if used is None and (ok or reason == "catching up"):
+                start, used = now, Usage.of(proc.pid)
+            if ok:
+                assert used is not None
+                return _timed(now - start, used, Usage.of(proc.pid))
+            if now > deadline + 600 or proc.poll() is not None:
+                raise RuntimeError(f"the daemon did not catch up: see /tmp/{tag}.log")
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        logs.close()
+
+
+class _Untouched:
+    """A core that applies nothing (`--kafka-only`)."""
+
+    def __init__(self) -> None:
+        from kvconductor.core import Conductor
+
+        self._core = Conductor()
+        self.counters = self._core.counters
+
+    def ingest(self, records: Sequence[Any]) -> list[Any]:
+        return []
+
+
+async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> dict[str, float]:
+    from consumers.dead_letters import DeadLetterWriter
+    from consumers.event_consumer import EventConsumer
+    from kvconductor.config import kafka_fetch_options, load_config
+    from kvconductor.core import Conductor
+    from kvconductor.metrics import Metrics
+
+    cfg = load_config(None, _env(bootstrap, tag, args)).kafka
+    conductor = _Untouched() if args.kafka_only else Conductor()
+    metrics = Metrics(Conductor())
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=tag,
+        enable_auto_commit=False,
+        auto_offset_reset="none",
+        isolation_level="read_committed",
+        **kafka_fetch_options(cfg),
+    )
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    await producer.start()
+    events = EventConsumer(
+        consumer,
+        conductor,  # type: ignore[arg-type]
+        metrics,
+        DeadLetterWriter(producer, cfg.dead_letter_topic, metrics),
+        cfg.engine_topic,
+        cfg.pool_topic,
+        cfg.fetch_max_records,
+    )
+
+    profile = cProfile.Profile() if args.profile else None
+    started: list[tuple[float, Usage]] = []
+
+    async def assign(tps: set[TopicPartition]) -> dict[TopicPartition, int]:
+        # The clock starts before the first fetch of the assignment.
+        started.append((time.monotonic(), Usage.of(os.getpid())))
+        if profile is not None:
+            profile.enable()
+        await consumer.seek_to_beginning(*tps)
+        return {tp: await consumer.position(tp) for tp in tps}
+
+    events.on_assign = assign
+    events.subscribe()
+    try:
+        # A fresh topic, one producer without transactions: offsets 0..n-1.
+        while sum(events.applied_offsets.values()) < args.records:
+            await events.poll(100)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(args.profile)
+        start, used = started[0]
+        return _timed(time.monotonic() - start, used, Usage.of(os.getpid()))
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    bootstrap = args.bootstrap
+    tag = f"kafka-ingest-{uuid.uuid4().hex[:8]}"
+    names = [f"{tag}-{t}" for t in ("events", "pool")]
+    await make_topics(bootstrap, names, args.partitions)
+    try:
+        events = await produce(bootstrap, f"{tag}-events", args)
+        if args.mode == "daemon":
+            timed = await asyncio.to_thread(run_daemon, bootstrap, tag, args)
+        else:
+            timed = await run_consumer(bootstrap, tag, args)
+    finally:
+        await delete_topics(bootstrap, tag)
+    s = timed["seconds"]
+    return {
+        "mode": args.mode,
+        "records": args.records,
+        "events": events,
+        "instances": args.instances,
+        "partitions": args.partitions,
+        "set": args.set,
+        "kafka_only": args.kafka_only,
+        "compression": args.compression,
+        "seconds": round(s, 3),
+        "cpu_s": round(timed["cpu_s"], 3),
+        # Neither computing nor waiting for a core: waiting for Kafka.
+        "idle_s": round(s - timed["cpu_s"] - timed["runqueue_s"], 3),
+        "runqueue_s": round(timed["runqueue_s"], 3),
+        "records_per_s": round(args.records / s),
+        "events_per_s": round(events / s),
+        "cpu_us_per_record": round(timed["cpu_s"] / args.records * 1e6, 2),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bootstrap", required=True, metavar="HOST:PORT")
+    p.add_argument("--records", type=int, default=100_000)
+    p.add_argument("--instances", type=int, default=64)
+    p.add_argument("--partitions", type=int, default=6)
+    p.add_argument("--mode", choices=("daemon", "consumer"), default="daemon")
+    p.add_argument(
+        "--compression",
+        choices=("none", "gzip", "snappy", "lz4", "zstd"),
+        default="none",
+        help="the pre-produced records' (lz4, snappy and zstd need cramjam)",
+    )
+    p.add_argument("--no-snapshots", action="store_true", help="daemon mode: snapshots off")
+    p.add_argument("--kafka-only", action="store_true", help="consumer mode: apply nothing")
+    p.add_argument("--profile", metavar="FILE", help="consumer mode: cProfile stats to FILE")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a [kafka] key for the index (fetch_max_wait_ms=100), repeatable",
+    )
+    p.add_argument("--fixture", default=str(FIXTURE), help="the vllm-hybrid records.jsonl")
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    try:  # the daemon's loop (kvconductor.cli)
+        import uvloop
+
+        print(json.dumps(uvloop.run(main_async(args))))
+    except ImportError:
+        print(json.dumps(asyncio.run(main_async(args))))
+
+
+if __name__ == "__main__":
+    main()
