@@ -309,7 +309,7 @@ class EventConsumer:
             # snapshot captures must match), dead letters sent or not.
             expected.update({tp: r.offset + 1 for tp, r in ordered[done : done + n]})
             for notice in notices:
-                i = done + notice.index
+                i = done + notice.at
                 dead_lettered |= await self._notice(ordered[i][1], incoming[i], notice)
             done += n
             if clock() >= resume:
