@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from consumers.engine_wire import ARRAY_FIELDS
 from kvconductor.core import Conductor, Incoming, Notice
 from kvconductor.errors import BadRecord
 from kvconductor.index import IndexLimits
@@ -287,26 +288,9 @@ class _Fleet:
     def encode(self, events: list[dict[str, Any]], rank: int | None) -> bytes:
         if self.rng.random() < 0.8:
             return msgspec.msgpack.encode([self.clock, events, rank])
-        fields = {
-            "BlockStored": (
-                "block_hashes",
-                "parent_block_hash",
-                "token_ids",
-                "block_size",
-                "lora_id",
-                "medium",
-                "lora_name",
-                "extra_keys",
-                "group_idx",
-                "kv_cache_spec_kind",
-                "kv_cache_spec_sliding_window",
-            ),
-            "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-            "AllBlocksCleared": (),
-        }
         arrays = []
         for ev in events:
-            names = fields[ev["type"]]
+            names = ARRAY_FIELDS[ev["type"]][1:]
             row = [ev["type"], *(ev.get(n) for n in names)]
             while len(row) > 1 and row[-1] is None and len(row) > 2:
                 row.pop()

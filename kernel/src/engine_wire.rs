@@ -155,9 +155,9 @@ impl<'a> Rd<'a> {
 
     /// A map key: matched against the known (ASCII) names as bytes; any
     /// other must still be a str for the Python decoder to take it.
-    fn key(&mut self, known: &[&[u8]]) -> Option<&'a [u8]> {
+    fn key(&mut self, positions: &[&[u8]], map_only: &[&[u8]]) -> Option<&'a [u8]> {
         let key = self.str_bytes()?;
-        if known.contains(&key) || std::str::from_utf8(key).is_ok() {
+        if positions.contains(&key) || map_only.contains(&key) || std::str::from_utf8(key).is_ok() {
             return Some(key);
         }
         None
@@ -332,9 +332,10 @@ fn removed_field<'a>(rd: &mut Rd<'a>, ev: &mut Removed<'a>, key: &[u8]) -> Optio
     Some(())
 }
 
-/// Known keys of a map event, each once (a repeated key is the Python decoder's).
-fn once(seen: &mut u32, key: &[u8], known: &[&[u8]]) -> Option<()> {
-    if let Some(i) = known.iter().position(|k| *k == key) {
+/// Known keys of a map event (`positions` then `map_only`), each once: a
+/// repeated key is the Python decoder's.
+fn once(seen: &mut u32, key: &[u8], positions: &[&[u8]], map_only: &[&[u8]]) -> Option<()> {
+    if let Some(i) = positions.iter().chain(map_only).position(|k| *k == key) {
         let bit = 1u32 << i;
         if *seen & bit != 0 {
             return None;
@@ -344,27 +345,8 @@ fn once(seen: &mut u32, key: &[u8], known: &[&[u8]]) -> Option<()> {
     Some(())
 }
 
-const STORED_KEYS: &[&[u8]] = &[
-    b"block_hashes",
-    b"parent_block_hash",
-    b"token_ids",
-    b"block_size",
-    b"lora_id",
-    b"medium",
-    b"lora_name",
-    b"extra_keys",
-    b"group_idx",
-    b"kv_cache_spec_kind",
-    b"kv_cache_spec_sliding_window",
-    b"locality",
-    b"ownership",
-    b"session_id",
-    b"cache_salt",
-    b"metadata",
-    b"type",
-];
-const REMOVED_KEYS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx", b"locality", b"ownership", b"type"];
-/// Array-form positions after the tag (`engine_wire.ARRAY_FIELDS`).
+/// Array-form positions after the tag (`engine_wire.ARRAY_FIELDS`); the map
+/// form's keys are these and `*_MAP_ONLY`.
 const STORED_POSITIONS: &[&[u8]] = &[
     b"block_hashes",
     b"parent_block_hash",
@@ -378,7 +360,9 @@ const STORED_POSITIONS: &[&[u8]] = &[
     b"kv_cache_spec_kind",
     b"kv_cache_spec_sliding_window",
 ];
+const STORED_MAP_ONLY: &[&[u8]] = &[b"locality", b"ownership", b"session_id", b"cache_salt", b"metadata", b"type"];
 const REMOVED_POSITIONS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx"];
+const REMOVED_MAP_ONLY: &[&[u8]] = &[b"locality", b"ownership", b"type"];
 
 fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
     let n = rd.map_len()?;
@@ -392,9 +376,10 @@ fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
     let event = match tag {
         "BlockStored" => {
             let mut ev = new_stored();
+            once(&mut seen, b"type", STORED_POSITIONS, STORED_MAP_ONLY)?;
             for _ in 1..n {
-                let key = rd.key(STORED_KEYS)?;
-                once(&mut seen, key, STORED_KEYS)?;
+                let key = rd.key(STORED_POSITIONS, STORED_MAP_ONLY)?;
+                once(&mut seen, key, STORED_POSITIONS, STORED_MAP_ONLY)?;
                 has_hashes |= key == b"block_hashes";
                 stored_field(rd, &mut ev, key)?;
             }
@@ -402,9 +387,10 @@ fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
         }
         "BlockRemoved" => {
             let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
+            once(&mut seen, b"type", REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
             for _ in 1..n {
-                let key = rd.key(REMOVED_KEYS)?;
-                once(&mut seen, key, REMOVED_KEYS)?;
+                let key = rd.key(REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
+                once(&mut seen, key, REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
                 has_hashes |= key == b"block_hashes";
                 removed_field(rd, &mut ev, key)?;
             }
