@@ -530,6 +530,15 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _unit_row(label: str, u: dict[str, Any]) -> str:
+    """A figure 7 row: the rates per record, event and block event."""
+    return (
+        f"| {label} | {_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
+        f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
+        f"{_ms(u['us_per_event'], 2)} |"
+    )
+
+
 def _ingest_section(fig: dict[str, Any]) -> list[str]:
     if not fig.get("measured"):
         return []
@@ -561,30 +570,16 @@ def _ingest_section(fig: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for peer, u in fig["peers"].items():
-        lines.append(
-            f"| {peer} (in process, CPU {_ms(u.get('cpu_share'), 2)} of the wall time) | "
-            f"{_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
-            f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
-            f"{_ms(u['us_per_event'], 2)} |"
-        )
+        cpu = _ms(u.get("cpu_share"), 2)
+        lines.append(_unit_row(f"{peer} (in process, CPU {cpu} of the wall time)", u))
     pre = fig.get("prequeued", {})
     if pre.get("measured"):
-        u = pre["per_unit"]
-        lines.append(
-            f"| kvconductor run, {pre['records']:,} records prequeued on "
-            f"{pre['partitions']} partitions | {_ms(u['records_per_s'])} | "
-            f"{_ms(u['events_per_s'])} | {_ms(u['blocks_per_s'])} | "
-            f"{_ms(u['us_per_record'], 1)} | {_ms(u['us_per_event'], 2)} |"
-        )
+        where = f"{pre['records']:,} records prequeued on {pre['partitions']} partitions"
+        lines.append(_unit_row(f"kvconductor run, {where}", pre["per_unit"]))
     standalone = fig.get("dynamo_indexer", {})
     if standalone.get("measured"):
-        u = standalone["per_unit"]
-        lines.append(
-            f"| Dynamo's standalone indexer (ZMQ, {standalone['threads']} threads) | "
-            f"{_ms(u['records_per_s'])} | {_ms(u['events_per_s'])} | "
-            f"{_ms(u['blocks_per_s'])} | {_ms(u['us_per_record'], 1)} | "
-            f"{_ms(u['us_per_event'], 2)} |"
-        )
+        label = f"Dynamo's standalone indexer (ZMQ, {standalone['threads']} threads)"
+        lines.append(_unit_row(label, standalone["per_unit"]))
     lines.append("")
     for name, ratio in fig["ratio"].items():
         lines.append(f"- {name}, in process: {_ratio(ratio)} (pair by pair)")
