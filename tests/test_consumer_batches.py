@@ -101,14 +101,14 @@ async def test_bad_records_and_core_bugs_are_dead_lettered_and_passed(monkeypatc
     records[1].value = b"\xc1 not msgpack"
     records[3].key = b"boom"
     conductor = Conductor()
-    real = conductor.ingest_engine_record
+    real = conductor._engine_record
 
     def buggy(key: Any, *rest: Any) -> Any:
         if key == b"boom":
             raise KeyError("a core bug")
         return real(key, *rest)
 
-    monkeypatch.setattr(conductor, "ingest_engine_record", buggy)
+    monkeypatch.setattr(conductor, "_engine_record", buggy)
     letters = Letters()
     events = _consumer(conductor, letters)
     with capture_logs() as logs:
