@@ -104,10 +104,10 @@ def _next_chunk(n: int, seconds: float) -> int:
     return max(1, min(MAX_CHUNK, int(n * CHUNK_S / seconds)))
 
 
-def _per_topic(batch: Mapping[TopicPartition, list[ConsumerRecord]]) -> dict[str, int]:
+def _per_topic(records: Sequence[tuple[TopicPartition, ConsumerRecord]]) -> dict[str, int]:
     out: dict[str, int] = {}
-    for tp, records in batch.items():
-        out[tp.topic] = out.get(tp.topic, 0) + len(records)
+    for tp, _ in records:
+        out[tp.topic] = out.get(tp.topic, 0) + 1
     return out
 
 
@@ -263,9 +263,6 @@ class EventConsumer:
                     fresh[tp] = records
             if not fresh:
                 return 0
-            consumed = self.metrics.records_consumed
-            for topic, count in _per_topic(fresh).items():
-                consumed.labels(topic=topic).inc(count)
             ordered = list(in_produce_order(fresh))
             await self._apply_records(ordered, self._incoming(ordered))
         return len(ordered)
@@ -311,6 +308,11 @@ class EventConsumer:
             for notice in notices:
                 i = done + notice.at
                 dead_lettered |= await self._notice(ordered[i][1], incoming[i], notice)
+            # Counted once applied: a reader of the metric that sees a record
+            # consumed may query it (queries run between chunks).
+            consumed = self.metrics.records_consumed
+            for topic, count in _per_topic(ordered[done : done + n]).items():
+                consumed.labels(topic=topic).inc(count)
             done += n
             if clock() >= resume:
                 # Let queries in: a batch takes seconds when behind.
