@@ -786,22 +786,28 @@ async def _timed_backlog(
 ) -> tuple[float, float, int]:
     """Scrape /metrics until the daemon consumed `n` records: (the first
     scrape that saw any consumed, the one that saw all, the count at the
-    first). The records before the first scrape are left out of the rate."""
+    first). The records before the first scrape are left out of the rate;
+    a backlog consumed whole between two scrapes is timed from the last
+    scrape that saw none."""
     first: tuple[float, int] | None = None
+    none_yet: float | None = None
     since = time.monotonic()
     while True:
         try:
             consumed, _ = await daemon.counts(session)
         except aiohttp.ClientError:  # not serving yet
             daemon._check_alive()
-            consumed = 0
+            consumed = -1
         now = time.perf_counter()
-        if consumed and first is None:
-            first = (now, consumed)
+        if consumed == 0:
+            none_yet = now
+        if consumed > 0 and first is None:
+            whole = consumed >= n and none_yet is not None
+            first = (none_yet, 0) if whole and none_yet is not None else (now, consumed)
         if consumed >= n and first is not None:
             return first[0], now, first[1]
         if time.monotonic() - since > STALL_S + 60:
-            raise RuntimeError(f"daemon consumed {consumed:,} of {n:,}:\n{daemon.log_tail()}")
+            raise RuntimeError(f"daemon consumed {max(consumed, 0):,} of {n:,}:\n{daemon.log_tail()}")
         await asyncio.sleep(BACKLOG_SCRAPE_S)
 
 
