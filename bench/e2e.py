@@ -807,7 +807,8 @@ async def _timed_backlog(
         if consumed >= n and first is not None:
             return first[0], now, first[1]
         if time.monotonic() - since > STALL_S + 60:
-            raise RuntimeError(f"daemon consumed {max(consumed, 0):,} of {n:,}:\n{daemon.log_tail()}")
+            got = max(consumed, 0)
+            raise RuntimeError(f"daemon consumed {got:,} of {n:,}:\n{daemon.log_tail()}")
         await asyncio.sleep(BACKLOG_SCRAPE_S)
 
 
