@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from kvconductor.config import Config, load_config
+from kvconductor.core import Incoming
 from kvconductor.daemon import Daemon
 
 # The fixtures the tests read live in the repository (tests/fixtures/README.md).
@@ -274,3 +276,16 @@ async def create_event_topics(bootstrap: str, cfg: Config) -> None:
         )
     finally:
         await admin.close()
+
+
+def fixture_records(name: str) -> list[Incoming]:
+    """A recorded fixture's records (`tests/fixtures/<name>/records.jsonl`),
+    stamped a second apart from 1000.0."""
+    path = Path(__file__).parent / "fixtures" / name / "records.jsonl"
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        row = json.loads(line)
+        headers = [(k, v.encode()) for k, v in row["headers"].items()]
+        value = base64.b64decode(row["value_b64"])
+        out.append(Incoming(False, row["key"].encode(), headers, value, 1000.0 + i))
+    return out

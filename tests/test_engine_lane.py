@@ -11,9 +11,7 @@ leave to the Python path, record by record and inside one record.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from kvconductor.media import DEVICE, HOST
 from kvconductor.namespace_index import namespace_key
 from kvconductor.packing import unpack_u64
 from kvconductor.snapshots import state_fingerprint
+from tests.harness import fixture_records
 from tests.streams import mixed_stream
 
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the lane is the compiled kernel's")
@@ -87,18 +86,8 @@ def _assert_same(batches: list[list[Incoming]], limits: IndexLimits | None = Non
     return lane
 
 
-def _fixture(name: str) -> list[Incoming]:
-    out = []
-    for i, line in enumerate((FIXTURES / name / "records.jsonl").read_text().splitlines()):
-        row = json.loads(line)
-        headers = [(k, v.encode()) for k, v in row["headers"].items()]
-        value = base64.b64decode(row["value_b64"])
-        out.append(Incoming(False, row["key"].encode(), headers, value, 1000.0 + i))
-    return out
-
-
 def test_vllm_kv_cache_manager_output() -> None:
-    records = _fixture("vllm-hybrid")
+    records = fixture_records("vllm-hybrid")
     lane = _assert_same([records[i : i + 50] for i in range(0, len(records), 50)])
     assert lane.lane is not None and len(lane.lane.contexts) > 0
 

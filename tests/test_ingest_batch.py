@@ -3,25 +3,18 @@ at a time, and says which records were skipped or had something to say."""
 
 from __future__ import annotations
 
-import base64
-import json
 from pathlib import Path
 
 from kvconductor.core import Conductor, Incoming
 from kvconductor.errors import BadRecord, DecodeError
 from kvconductor.snapshots import state_fingerprint
+from tests.harness import fixture_records
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-hybrid" / "records.jsonl"
 
 
 def _records() -> list[Incoming]:
-    out = []
-    for i, line in enumerate(FIXTURE.read_text().splitlines()):
-        row = json.loads(line)
-        headers = [(k, v.encode()) for k, v in row["headers"].items()]
-        value = base64.b64decode(row["value_b64"])
-        out.append(Incoming(False, row["key"].encode(), headers, value, 1000.0 + i))
-    return out
+    return fixture_records("vllm-hybrid")
 
 
 def test_batch_equals_one_at_a_time() -> None:
