@@ -42,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.cluster import Record, stored_event
 from bench.measure import percentile, process_cpu_s
 from bench.workload import Workload
-from kvconductor import kafka_local
+from kvconductor.tools.kafka_local import broker as kafka_local
 
 THREADS = 4  # the indexer's default (a ThreadPoolIndexer)
 SCRAPE_S = 0.01

@@ -67,8 +67,8 @@ from bench.peers import KvconductorPeer
 from bench.restore import broker_pid
 from bench.runners import per_unit
 from bench.workload import Workload
-from kvconductor import kafka_local
 from kvconductor.bridge.config import BridgeSettings
+from kvconductor.tools.kafka_local import broker as kafka_local
 
 SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
 # The prequeued figure's poll: its clock starts and stops on a scrape.
@@ -121,7 +121,7 @@ class DaemonProcess:
     def start(self) -> None:
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvconductor.cli", "run"],
+                [sys.executable, "-m", "kvconductor.tools.cli", "run"],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

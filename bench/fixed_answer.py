@@ -34,7 +34,7 @@ from bench.peers import KvconductorPeer, Peer, make_peer, peer_items
 from bench.report import cpu_probe_ms, fixed_ok
 from bench.runners import device_answers, sync, timed_rounds
 from bench.workload import Tokens, Workload
-from kvconductor.hashing import BASE_SEED
+from kvconductor.wire.hashing import BASE_SEED
 
 # Blocks per filler chain: a long conversation's context (4,096 tokens).
 CHAIN = 256

@@ -29,7 +29,7 @@ from bench import raw_http
 from bench.measure import forked, percentile, process_cpu_s
 from bench.peers import KvconductorPeer
 from bench.workload import Workload
-from kvconductor.query_wire import TokenQuery
+from kvconductor.wire.query import TokenQuery
 
 CLIENTS = 8
 WARM_UP = 32  # requests before the clock starts: connection, caches, first-call paths
@@ -111,9 +111,9 @@ def _on_fast_loop(main: Coroutine[Any, Any, T]) -> tuple[T, str]:
 async def _serve(sock: socket.socket, peer: KvconductorPeer, client: int) -> None:
     from aiohttp import web
 
-    from kvconductor.http_api import make_app
-    from kvconductor.http_front import QuerySite
-    from kvconductor.metrics import Metrics
+    from kvconductor.http.api import make_app
+    from kvconductor.http.front import QuerySite
+    from kvconductor.obs.metrics import Metrics
 
     app = make_app(
         peer.conductor,

@@ -227,7 +227,7 @@ class _Untouched:
     """A core that applies nothing (`--kafka-only`)."""
 
     def __init__(self) -> None:
-        from kvconductor.core import Conductor
+        from kvconductor.index.conductor import Conductor
 
         self._core = Conductor()
         self.counters = self._core.counters
@@ -240,8 +240,8 @@ async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> di
     from consumers.dead_letters import DeadLetterWriter
     from consumers.event_consumer import EventConsumer
     from kvconductor.config import kafka_fetch_options, load_config
-    from kvconductor.core import Conductor
-    from kvconductor.metrics import Metrics
+    from kvconductor.index.conductor import Conductor
+    from kvconductor.obs.metrics import Metrics
 
     cfg = load_config(None, _env(bootstrap, tag, args)).kafka
     conductor = _Untouched() if args.kafka_only else Conductor()
@@ -357,7 +357,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
-    try:  # the daemon's loop (kvconductor.cli)
+    try:  # the daemon's loop (kvconductor.tools.cli)
         import uvloop
 
         print(json.dumps(uvloop.run(main_async(args))))

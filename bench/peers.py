@@ -26,9 +26,9 @@ import xxhash
 
 from bench.cluster import NaiveOp, Record
 from bench.workload import Workload
-from kvconductor.core import Conductor, Incoming
-from kvconductor.hashing import BASE_SEED
-from kvconductor.query_wire import TokenQuery
+from kvconductor.index.conductor import Conductor, Incoming
+from kvconductor.wire.hashing import BASE_SEED
+from kvconductor.wire.query import TokenQuery
 
 _xxh3 = xxhash.xxh3_64_intdigest
 

@@ -22,14 +22,13 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from consumers.topics import ensure_topics
-from kvconductor import kafka_local
 from kvconductor.config import load_config
-from kvconductor.core import Conductor
-from kvconductor.daemon import topic_specs
-from kvconductor.index import Index
-from kvconductor.snapshot_store import SnapshotPublisher, read_snapshot
-from kvconductor.snapshots import restore
+from kvconductor.index.conductor import Conductor
+from kvconductor.index.fleet import Index
+from kvconductor.kafka.topics import ensure_topics, topic_specs
+from kvconductor.snapshots.store import SnapshotPublisher, read_snapshot
+from kvconductor.snapshots.units import restore
+from kvconductor.tools.kafka_local import broker as kafka_local
 
 # The brokers `local_broker` runs, by bootstrap: their pids.
 _local_pids: dict[str, int] = {}

@@ -40,11 +40,11 @@ from collections import Counter
 
 import msgspec
 
-from kvconductor.index import IndexLimits
-from kvconductor.media import DEVICE
-from kvconductor.namespace_index import Dirty, NamespaceIndex, namespace_key
-from kvconductor.query import run_query_json
-from kvconductor.query_wire import TokenQuery
+from kvconductor.index.fleet import IndexLimits
+from kvconductor.index.namespace import Dirty, NamespaceIndex, namespace_key
+from kvconductor.index.query import run_query_json
+from kvconductor.wire.media import DEVICE
+from kvconductor.wire.query import TokenQuery
 
 BLOCK = 16
 MODEL = "scale"

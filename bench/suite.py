@@ -149,7 +149,7 @@ def _restore_figure(
     w: Workload, bootstrap: str, topic: str, published: dict[str, Any], opts: Options, log: Log
 ) -> dict[str, Any]:
     from bench.restore import restore_from_topic
-    from kvconductor.query_wire import TokenQuery
+    from kvconductor.wire.query import TokenQuery
 
     cfg = w.config
     prompts = [q.tolist() for q in w.queries[: len(published["answers"])]]
@@ -188,7 +188,7 @@ def _publish_hook(
     w: Workload, bootstrap: str, topic: str, check: int
 ) -> Callable[[Peer], dict[str, Any]]:
     from bench.restore import publish_snapshot
-    from kvconductor.query_wire import TokenQuery
+    from kvconductor.wire.query import TokenQuery
 
     cfg = w.config
 

@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 import xxhash
 
 from bench.cluster import Block, Cluster, Instance, Streams
-from kvconductor.hashing import BASE_SEED
+from kvconductor.wire.hashing import BASE_SEED
 
 _xxh3 = xxhash.xxh3_64_intdigest
 # Seeds of the simulated engines' own sequence hashes (vLLM's NONE_HASH and

@@ -1,12 +1,7 @@
-"""Kafka-side consumers of kvconductor: wire decoders and record consumers.
+"""The consumers of the engine and pool topics: the asyncio side of ingest.
 
-Wire decoders (pure functions, no I/O):
-
-* `consumers.engine_wire.decode_engine_payload(payload, source)`: one engine
-  ZMQ payload (vLLM 0.9 .. 0.33+, SGLang, TensorRT-LLM) -> `EngineBatch`;
-* `consumers.pool_wire.decode_pool_payload(payload)`: one Mooncake RFC #1527
-  pool payload -> `PoolBatch`;
-* `consumers.hash_norm`: the one block-hash normalisation both share.
-
-Wire formats per release: `docs/wire-formats.md`.
+`event_consumer` runs the batch loop (produce-order merge, rebalance hooks) into
+`kvconductor.index.conductor.Conductor.ingest`; `dead_letters` is its failure path;
+`positions` resume offsets; `repartitioner` and `routing` the scale-out stage. The
+decoders they feed are in `kvconductor.wire` (formats per release: docs/wire-formats.md).
 """

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import structlog
 from aiokafka import AIOKafkaProducer
 
-from kvconductor.metrics import Metrics
+from kvconductor.obs.metrics import Metrics
 
 DLQ_KIND = "dlq-kind"
 DLQ_REASON = "dlq-reason"

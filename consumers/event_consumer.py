@@ -26,11 +26,11 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from consumers.dead_letters import DeadLetterWriter
 from consumers.positions import resume_positions
 from consumers.repartitioner import KIND, ORIGIN_KEY
-from kvconductor.core import Conductor, Incoming, Notice
-from kvconductor.errors import BadRecord
-from kvconductor.logs import RateLimitedLog
-from kvconductor.metrics import Metrics, PartitionRow
+from kvconductor.index.conductor import Conductor, Incoming, Notice
+from kvconductor.obs.logs import RateLimitedLog
+from kvconductor.obs.metrics import Metrics, PartitionRow
 from kvconductor.records_first import RecordsFirst
+from kvconductor.wire.errors import BadRecord
 
 log = structlog.get_logger("kvconductor.consumer")
 

@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
-from kvconductor.limits import IndexLimits, limit_error
+from kvconductor.index.limits import IndexLimits, limit_error
 
 ENV_PREFIX = "KVCONDUCTOR_"
 

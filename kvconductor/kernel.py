@@ -22,7 +22,7 @@ class Kernel(Protocol):
     """kernel/src/lib.rs: the namespace block store (kernel/src/store.rs),
     the engine lane (kernel/src/lane.rs, typed in `engine_lane`),
     the query answer's shape (kernel/src/shape.rs), and
-    `kvconductor.hashing`'s `pack_tokens`, `tokens_from_msgpack`,
+    `kvconductor.wire.hashing`'s `pack_tokens`, `tokens_from_msgpack`,
     `tokens_from_json` and `chain_identities` without extra keys.
 
     The store and the shape are typed `object` here: their Protocols live with

@@ -33,7 +33,7 @@ import zmq.asyncio
 from kvconductor.bridge.app import Bridge
 from kvconductor.bridge.config import BridgeConfig, BridgeSettings
 from kvconductor.config import KafkaConfig
-from kvconductor.publishers import PublisherConfig
+from kvconductor.registry.publishers import PublisherConfig
 from tests.harness import FIXTURES, wait_for
 
 END = (2**64 - 1).to_bytes(8, "big")

@@ -1,8 +1,8 @@
 """Shared pytest fixtures.
 
 ``kafka_bootstrap``: a real single-node Kafka broker for the whole test session, started by
-``kvconductor.kafka_local`` in a temporary data folder on free ports (so it never meets the
-developer's own ``kafka-local`` broker) and stopped at the end. With
+``kvconductor.tools.kafka_local.broker`` in a temporary data folder on free ports (so it
+never meets the developer's own ``kafka-local`` broker) and stopped at the end. With
 ``KVCONDUCTOR_TEST_BOOTSTRAP=host:port`` set, the tests use that broker and start nothing.
 Tests that use it are marked ``@pytest.mark.kafka``.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvconductor import kafka_local
+from kvconductor.tools.kafka_local import broker as kafka_local
 
 
 @pytest.fixture(scope="session")

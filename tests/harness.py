@@ -22,8 +22,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from kvconductor.config import Config, load_config
-from kvconductor.core import Incoming
-from kvconductor.daemon import Daemon
+from kvconductor.index.conductor import Incoming
+from kvconductor.service.daemon import Daemon
 
 # The fixtures the tests read live in the repository (tests/fixtures/README.md).
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,7 +206,7 @@ class DaemonLives:
             "KVCONDUCTOR_KAFKA_CLIENT_ID": client_id,
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconductor.cli", "run", "--config", str(self.config)],
+            [sys.executable, "-m", "kvconductor.tools.cli", "run", "--config", str(self.config)],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvconductor.events import (
+from kvconductor.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -47,8 +47,8 @@ from kvconductor.events import (
     PoolBatch,
     PoolEvent,
 )
-from kvconductor.query_wire import HashQuery, TokenQuery
-from kvconductor.records import EngineMeta, PoolMeta
+from kvconductor.wire.query import HashQuery, TokenQuery
+from kvconductor.wire.records import EngineMeta, PoolMeta
 
 MASK = (1 << 64) - 1
 DEVICE, HOST, DISK = 0, 1, 2

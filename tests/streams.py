@@ -26,8 +26,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from kvconductor.core import Conductor
-from kvconductor.query_wire import HashQuery, TokenQuery
+from kvconductor.index.conductor import Conductor
+from kvconductor.wire.query import HashQuery, TokenQuery
 from tests.harness import Record, engine_headers, pool_payload, removed, stored, vllm_payload
 
 BLOCK = 4

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvconductor.answer_shape import AnswerShape, Layout, PyAnswerShape, new_shape
-from kvconductor.block_store import Matched
+from kvconductor.index.answer_shape import AnswerShape, Layout, PyAnswerShape, new_shape
+from kvconductor.index.block_store import Matched
 from kvconductor.kernel import KERNEL
 
 

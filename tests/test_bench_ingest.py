@@ -16,7 +16,7 @@ from bench.replay import replay_figure
 from bench.trace import Router, read_trace, vllm_trace_workload
 from bench.vllm_engine import CLOCK_START, EngineConfig, FleetConfig, fleet_workload
 from bench.workload import Workload
-from kvconductor.core import Conductor, Incoming
+from kvconductor.index.conductor import Conductor, Incoming
 
 
 def _tiny() -> Workload:

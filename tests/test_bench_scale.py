@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench.scale import measure
-from kvconductor.cli import main
+from kvconductor.tools.cli import main
 
 
 def test_a_point_holds_what_it_built() -> None:

@@ -23,9 +23,9 @@ from bench.restore import broker_pid, local_broker
 from bench.suite import Options, run
 from bench.trace import trace_workload
 from bench.workload import WorkloadConfig, generate
-from consumers.engine_wire import decode_engine_payload
-from consumers.pool_wire import decode_pool_payload
-from kvconductor.hashing import BASE_SEED
+from kvconductor.wire.engine import decode_engine_payload
+from kvconductor.wire.hashing import BASE_SEED
+from kvconductor.wire.pool import decode_pool_payload
 
 TINY = 12_000
 
@@ -304,7 +304,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("argv", [["--help"]])
 def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from kvconductor.bench import main
+    from kvconductor.tools.bench import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -328,7 +328,7 @@ def test_the_benchmarks_own_broker_is_known_by_its_bootstrap() -> None:
 
 def test_cli_sizes_reach_the_options() -> None:
     from bench import suite
-    from kvconductor.bench import build_parser, options_from
+    from kvconductor.tools.bench import build_parser, options_from
 
     def opts(*argv: str) -> Options:
         result: Options = options_from(build_parser().parse_args(list(argv)), suite)

@@ -28,8 +28,8 @@ from bench.vllm_engine import (
     record_shape,
     run_fleet,
 )
-from consumers.engine_wire import decode_engine_payload
-from kvconductor.core import Conductor, Incoming
+from kvconductor.index.conductor import Conductor, Incoming
+from kvconductor.wire.engine import decode_engine_payload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-hybrid" / "records.jsonl"
 DENSE = {"hyb-d0": 0.0, "hyb-d1": 0.5}  # instance: share of report-mode "full" requests

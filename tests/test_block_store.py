@@ -30,12 +30,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvconductor.answer_shape import PyAnswerShape, new_shape
-from kvconductor.block_store import BlockStore, PyBlockStore
-from kvconductor.hashing import chain_identities, pack_tokens
+from kvconductor.index.answer_shape import PyAnswerShape, new_shape
+from kvconductor.index.block_store import BlockStore, PyBlockStore
 from kvconductor.kernel import KERNEL
-from kvconductor.media import DEVICE, DISK, HOST
-from kvconductor.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
+from kvconductor.wire.hashing import chain_identities, pack_tokens
+from kvconductor.wire.media import DEVICE, DISK, HOST
+from kvconductor.wire.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
 
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the compiled kernel is not built")
 

@@ -25,8 +25,8 @@ from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import data_entry, resync_entry
 from kvconductor.bridge.relay import Relay
 from kvconductor.bridge.replay import ReplayClient, ReplayError
-from kvconductor.publishers import PublisherConfig, StreamKey, endpoint_for_rank
-from kvconductor.records import control_meta, engine_meta, header_map, pool_meta
+from kvconductor.registry.publishers import PublisherConfig, StreamKey, endpoint_for_rank
+from kvconductor.wire.records import control_meta, engine_meta, header_map, pool_meta
 from tests.bridge_fakes import END, FakePublisher, fixture_frames, fixture_payloads
 
 

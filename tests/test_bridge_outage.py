@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvconductor import kafka_local
+from kvconductor.tools.kafka_local import broker as kafka_local
 from tests.bridge_fakes import FakePublisher, bridge_config, publisher, running_bridge
 from tests.harness import wait_for
 from tests.test_bridge_kafka import (

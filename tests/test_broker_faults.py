@@ -36,12 +36,12 @@ import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from consumers.topics import ensure_topics_on
-from kvconductor import kafka_local
 from kvconductor.config import Config
-from kvconductor.daemon import Daemon, topic_specs
-from kvconductor.replica import Replica
-from kvconductor.snapshots import UnitKey, state_fingerprint
+from kvconductor.kafka.topics import ensure_topics_on, topic_specs
+from kvconductor.service.daemon import Daemon
+from kvconductor.service.replica import Replica
+from kvconductor.snapshots.units import UnitKey, state_fingerprint
+from kvconductor.tools.kafka_local import broker as kafka_local
 from tests.harness import Record, daemon_config, http_json, running, wait_for
 from tests.streams import (
     end_offsets,

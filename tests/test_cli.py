@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 def kvconductor() -> list[str]:
     """The installed console script next to this Python, else `python -m`."""
     script = Path(sys.executable).parent / "kvconductor"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "kvconductor.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "kvconductor.tools.cli"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -114,7 +114,7 @@ def test_help_lists_the_commands() -> None:
 def test_bench_runs_from_the_installed_package(tmp_path: Path) -> None:
     # `kvconductor bench` imports the `bench` package as installed (-I: no
     # checkout on sys.path, from a folder that is not the repository).
-    code = "import bench.report, bench.suite, kvconductor.bench as b; b._import_bench()"
+    code = "import bench.report, bench.suite, kvconductor.tools.bench as b; b._import_bench()"
     result = subprocess.run(
         [sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True
     )

@@ -40,12 +40,11 @@ import msgspec
 import pytest
 from aiokafka.client import CoordinationType
 
-from consumers.topics import ensure_topics_on
-from kvconductor import kafka_local
 from kvconductor.config import load_config
-from kvconductor.daemon import topic_specs
-from kvconductor.kafka_clients import LiveAdminClient
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.kafka.clients import LiveAdminClient
+from kvconductor.kafka.topics import ensure_topics_on, topic_specs
+from kvconductor.snapshots.units import state_fingerprint
+from kvconductor.tools.kafka_local import broker as kafka_local
 from tests.harness import (
     DaemonLives,
     daemon_config,

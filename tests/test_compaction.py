@@ -20,8 +20,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from kvconductor.config import Config
-from kvconductor.replica import Replica
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.service.replica import Replica
+from kvconductor.snapshots.units import state_fingerprint
 from tests.harness import daemon_config, engine_headers, pool_payload, produce, running, wait_for
 from tests.streams import end_offsets, fingerprint_diff, mixed_stream, oracle
 

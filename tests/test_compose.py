@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from kvconductor.cli import build_parser
 from kvconductor.config import ConfigError, load_config
+from kvconductor.tools.cli import build_parser
 from tests.test_dockerfile import stages
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,7 +98,7 @@ def test_stack_has_the_expected_services() -> None:
     assert "broker,controller" in kafka["environment"]["KAFKA_PROCESS_ROLES"]  # KRaft
     assert "kafka-broker-api-versions.sh" in " ".join(kafka["healthcheck"]["test"])
     # The same Kafka release as the local broker of `kvconductor kafka-local`.
-    from kvconductor.kafka_local import kafka_version
+    from kvconductor.tools.kafka_local.broker import kafka_version
 
     assert kafka["image"] == f"apache/kafka:{kafka_version()}"
     topics = services["topics"]
@@ -133,7 +133,9 @@ def test_service_command_exists_in_the_package(service: str) -> None:
     command = kvconductor_services()[service]["command"]
     sub = command[1]
     if sub not in _subcommands():
-        pytest.skip(f"`kvconductor {sub}` is not in kvconductor.cli yet (being built elsewhere)")
+        pytest.skip(
+            f"`kvconductor {sub}` is not in kvconductor.tools.cli yet (being built elsewhere)"
+        )
     # Parses exactly as the container would run it: options must exist too.
     args = build_parser().parse_args(command[1:])
     assert args.command == sub
@@ -339,7 +341,7 @@ async def test_demo_engines_send_the_bridge_token(monkeypatch: pytest.MonkeyPatc
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from kvconductor.demo import register_with_bridge
+    from kvconductor.tools.demo.run import register_with_bridge
 
     seen: list[str | None] = []
 

@@ -21,7 +21,7 @@ from kvconductor.config import (
     load_config,
     reveal,
 )
-from kvconductor.index import IndexLimits
+from kvconductor.index.fleet import IndexLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "config" / "kvconductor.toml"

@@ -15,9 +15,9 @@ from structlog.testing import capture_logs
 
 import consumers.event_consumer as event_consumer
 from consumers.event_consumer import EventConsumer
-from kvconductor.core import Conductor
-from kvconductor.metrics import Metrics
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.index.conductor import Conductor
+from kvconductor.obs.metrics import Metrics
+from kvconductor.snapshots.units import state_fingerprint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-hybrid" / "records.jsonl"
 TP = TopicPartition("engine", 0)

@@ -10,8 +10,8 @@ from aiokafka.structs import ConsumerRecord
 from structlog.testing import capture_logs
 
 from consumers.event_consumer import EventConsumer
-from kvconductor.core import Conductor
-from kvconductor.metrics import Metrics
+from kvconductor.index.conductor import Conductor
+from kvconductor.obs.metrics import Metrics
 
 RESYNC = "instance resynchronised: its stream lost messages, stale blocks cleared"
 ATTACHED = "instance resynchronised: the bridge attached to its stream, earlier state unknown"

@@ -26,7 +26,15 @@ from hypothesis.control import current_build_context
 from hypothesis.errors import InvalidArgument
 from reference_model import ReferenceModel
 
-from kvconductor.events import (
+from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.snapshots.units import (
+    PendingUnit,
+    all_unit_ids,
+    export_unit,
+    restore,
+    retired_entries,
+)
+from kvconductor.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,10 +42,8 @@ from kvconductor.events import (
     PoolBatch,
     PoolEvent,
 )
-from kvconductor.index import Index, IndexLimits
-from kvconductor.query_wire import HashQuery, TokenQuery
-from kvconductor.records import EngineMeta, PoolMeta
-from kvconductor.snapshots import PendingUnit, all_unit_ids, export_unit, restore, retired_entries
+from kvconductor.wire.query import HashQuery, TokenQuery
+from kvconductor.wire.records import EngineMeta, PoolMeta
 
 MODEL = "m"
 NOW = 1000.0

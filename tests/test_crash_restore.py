@@ -1,7 +1,7 @@
 """SIGKILL the real daemon at random points of a long stream; nothing is lost
 or applied twice.
 
-The daemon runs as a subprocess (`python -m kvconductor.cli run`), snapshotting
+The daemon runs as a subprocess (`python -m kvconductor.tools.cli run`), snapshotting
 every 0.3 s, while a producer keeps writing a long mixed stream. It is killed
 with SIGKILL after random delays (at start-up, while restoring, while catching
 up, between and during snapshot transactions) and restarted each time. After
@@ -33,10 +33,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvconductor import kafka_local
 from kvconductor.config import load_config
-from kvconductor.replica import Replica
-from kvconductor.snapshots import (
+from kvconductor.service.replica import Replica
+from kvconductor.snapshots.units import (
     OwnerUnit,
     PendingUnit,
     PoolUnit,
@@ -44,6 +43,7 @@ from kvconductor.snapshots import (
     retired_entries,
     state_fingerprint,
 )
+from kvconductor.tools.kafka_local import broker as kafka_local
 from tests.harness import (
     DaemonLives,
     create_event_topics,

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvconductor.core import Conductor
-from kvconductor.query_wire import TokenQuery
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.index.conductor import Conductor
+from kvconductor.snapshots.units import state_fingerprint
+from kvconductor.wire.query import TokenQuery
 from tests.harness import (
     FIXTURES,
     daemon_config,

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from aiokafka.structs import TopicPartition
 
-from kvconductor.daemon import Daemon
-from kvconductor.kafka_local import free_ports
-from kvconductor.namespace_index import NamespaceKey
-from kvconductor.packing import pack_f64, pack_u64
-from kvconductor.service import FatalError
-from kvconductor.snapshot_store import SnapshotRead
-from kvconductor.snapshots import PendingUnit, pending_key
+from kvconductor.index.namespace import NamespaceKey
+from kvconductor.lifecycle import FatalError
+from kvconductor.service.daemon import Daemon
+from kvconductor.snapshots.store import SnapshotRead
+from kvconductor.snapshots.units import PendingUnit, pending_key
+from kvconductor.tools.kafka_local.broker import free_ports
+from kvconductor.wire.packing import pack_f64, pack_u64
 from tests.harness import daemon_config, http_json, running, wait_for
 
 
@@ -51,7 +51,7 @@ async def test_unreachable_broker_keeps_http_up_and_not_ready() -> None:
 
 def _start(config: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvconductor.cli", "run", "--config", str(config)],
+        [sys.executable, "-m", "kvconductor.tools.cli", "run", "--config", str(config)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -132,7 +132,7 @@ def test_bad_config_is_one_line_naming_the_key(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text("[kafka]\npartitions = 'many'\n")
     result = subprocess.run(
-        [sys.executable, "-m", "kvconductor.cli", "run", "--config", str(config)],
+        [sys.executable, "-m", "kvconductor.tools.cli", "run", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,

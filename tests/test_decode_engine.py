@@ -11,18 +11,20 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers import engine_wire, hash_norm, pool_wire
-from consumers.engine_wire import decode_engine_payload, extra_keys_fingerprint
-from consumers.hash_norm import (
+from kvconductor.wire import engine as engine_wire
+from kvconductor.wire import hash_norm
+from kvconductor.wire import pool as pool_wire
+from kvconductor.wire.engine import decode_engine_payload, extra_keys_fingerprint
+from kvconductor.wire.errors import DecodeError, InvalidHeader, RejectedEvent
+from kvconductor.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch
+from kvconductor.wire.hash_norm import (
     HashError,
     hash_from_hex,
     normalize_hash,
     normalize_hashes,
     normalize_wire_hashes,
 )
-from kvconductor.errors import DecodeError, InvalidHeader, RejectedEvent
-from kvconductor.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch
-from kvconductor.hashing import pack_tokens
+from kvconductor.wire.hashing import pack_tokens
 from tests.harness import FIXTURES
 
 VERSIONS = ["0.9.0", "0.10.2", "0.22.0", "0.28.0", "0.33.0", "0.33.0-bytes-hashes"]

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.pool_wire import decode_pool_payload
-from kvconductor.errors import DecodeError, RejectedEvent
-from kvconductor.events import PoolBatch, PoolEvent
+from kvconductor.wire.errors import DecodeError, RejectedEvent
+from kvconductor.wire.events import PoolBatch, PoolEvent
+from kvconductor.wire.pool import decode_pool_payload
 
 MASK = (1 << 64) - 1
 TS_MS = 1770000000000

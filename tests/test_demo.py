@@ -187,7 +187,7 @@ def _free_port_run(n: int) -> int:
     """The first of `n` consecutive free ports."""
     import socket
 
-    from kvconductor.kafka_local import free_ports
+    from kvconductor.tools.kafka_local.broker import free_ports
 
     for _ in range(50):
         (first,) = free_ports(1)
@@ -212,7 +212,7 @@ def _adjacent_free_ports() -> int:
 def test_demo_stops_the_broker_it_started_and_only_that(tmp_path: Path) -> None:
     """Without --bootstrap the demo runs the local broker: started by the demo, it
     is stopped at the end; already running, it is left running."""
-    from kvconductor import kafka_local
+    from kvconductor.tools.kafka_local import broker as kafka_local
 
     broker_dir = tmp_path / "broker"
     port = _adjacent_free_ports()
@@ -243,7 +243,12 @@ def test_demo_stops_the_broker_it_started_and_only_that(tmp_path: Path) -> None:
 async def test_engines_only_feed_a_daemon(kafka_bootstrap: str) -> None:
     """docker-compose's `engines` service: only the traffic, read by a separate daemon."""
     from kvconductor.config import load_config
-    from kvconductor.demo_engines import DEMO_BLOCK_SIZE, DEMO_MODEL, SYSTEM_PROMPTS, text_tokens
+    from kvconductor.tools.demo.engines import (
+        DEMO_BLOCK_SIZE,
+        DEMO_MODEL,
+        SYSTEM_PROMPTS,
+        text_tokens,
+    )
     from tests.harness import http_json, running, wait_for
 
     env = demo_env(kafka_bootstrap)
@@ -283,17 +288,22 @@ async def test_engines_only_feed_a_daemon(kafka_bootstrap: str) -> None:
 async def test_engines_via_the_bridge_feed_a_daemon(kafka_bootstrap: str) -> None:
     """docker-compose's data path: demo engines on ZMQ PUB sockets, registered with
     a `kvconductor bridge`, which relays them to Kafka, read by the daemon."""
-    from kvconductor.cli import build_parser
     from kvconductor.config import load_config
-    from kvconductor.demo_engines import DEMO_BLOCK_SIZE, DEMO_MODEL, SYSTEM_PROMPTS, text_tokens
-    from kvconductor.kafka_local import free_ports
+    from kvconductor.tools.cli import build_parser
+    from kvconductor.tools.demo.engines import (
+        DEMO_BLOCK_SIZE,
+        DEMO_MODEL,
+        SYSTEM_PROMPTS,
+        text_tokens,
+    )
+    from kvconductor.tools.kafka_local.broker import free_ports
     from tests.harness import http_json, running, wait_for
 
     subcommands = next(
         a.choices for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
     )
     if "bridge" not in subcommands:
-        pytest.skip("`kvconductor bridge` is not in kvconductor.cli yet")
+        pytest.skip("`kvconductor bridge` is not in kvconductor.tools.cli yet")
     env = demo_env(kafka_bootstrap)
     cfg = load_config(None, env)
     tag = uuid.uuid4().hex[:8]

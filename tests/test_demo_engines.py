@@ -8,8 +8,8 @@ import asyncio
 import time
 from typing import Any
 
-from kvconductor.core import Conductor
-from kvconductor.demo_engines import (
+from kvconductor.index.conductor import Conductor
+from kvconductor.tools.demo.engines import (
     DEMO_BLOCK_SIZE,
     DEMO_MODEL,
     EngineSpec,
@@ -19,7 +19,7 @@ from kvconductor.demo_engines import (
     pool_headers,
     text_tokens,
 )
-from kvconductor.query_wire import TokenQuery
+from kvconductor.wire.query import TokenQuery
 
 
 class CoreSink:

@@ -180,7 +180,7 @@ def test_the_build_stage_replayed_in_a_scratch_folder_makes_a_wheel_with_the_ker
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("kvconductor/_kernel") and n.endswith(".so") for n in names)
     for data in ("pom.xml", "server.properties", "log4j2.yaml"):
-        assert f"kvconductor/resources/kafka/{data}" in names
+        assert f"kvconductor/tools/kafka_local/resources/kafka/{data}" in names
     assert "bench/suite.py" in names
     assert "consumers/event_consumer.py" in names
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvconductor.dynamo_wire import worker_id
-from kvconductor.hashing import local_block_hash
+from kvconductor.wire.dynamo import worker_id
+from kvconductor.wire.hashing import local_block_hash
 from tests.harness import (
     daemon_config,
     engine_headers,

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import xxhash
 
-from kvconductor.core import Conductor
-from kvconductor.dynamo_wire import worker_id
-from kvconductor.events import BlockStored, EngineBatch
-from kvconductor.hashing import MASK64, local_block_hash, lora_seed
-from kvconductor.index import IndexLimits
-from kvconductor.local_hashes import LocalHashMap
-from kvconductor.query_wire import TokenQuery
-from kvconductor.snapshots import all_unit_ids, export_unit, restore
+from kvconductor.index.conductor import Conductor
+from kvconductor.index.fleet import IndexLimits
+from kvconductor.snapshots.units import all_unit_ids, export_unit, restore
+from kvconductor.wire.dynamo import worker_id
+from kvconductor.wire.events import BlockStored, EngineBatch
+from kvconductor.wire.hashing import MASK64, local_block_hash, lora_seed
+from kvconductor.wire.local_hashes import LocalHashMap
+from kvconductor.wire.query import TokenQuery
 from tests import test_http_api
 from tests.test_http_api import BS, HASHES, TOKENS, assert_error, meta, post_json, query, store
 

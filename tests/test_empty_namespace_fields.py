@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from msgspec import structs
 
-from kvconductor.core import Conductor
-from kvconductor.events import PoolEvent
-from kvconductor.index import Index
-from kvconductor.namespace_index import NamespaceKey, namespace_key
-from kvconductor.query_wire import TokenQuery
+from kvconductor.index.conductor import Conductor
+from kvconductor.index.fleet import Index
+from kvconductor.index.namespace import NamespaceKey, namespace_key
+from kvconductor.wire.events import PoolEvent
+from kvconductor.wire.query import TokenQuery
 from tests.harness import engine_headers, vllm_payload
 from tests.harness import stored as harness_stored
 from tests.test_index_rules import PROMPT, ask, engine, hits, pool, seq, stored

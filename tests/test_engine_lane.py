@@ -1,4 +1,4 @@
-"""The engine lane (kernel/src/lane.rs, kvconductor/engine_lane.py) applies
+"""The engine lane (kernel/src/lane.rs, kvconductor/index/engine_lane.py) applies
 exactly what the Python path applies.
 
 Every stream goes through `Conductor.ingest` twice, with the lane and with
@@ -19,15 +19,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from consumers.engine_wire import ARRAY_FIELDS
-from kvconductor.core import Conductor, Incoming, Notice
-from kvconductor.errors import BadRecord
-from kvconductor.index import IndexLimits
+from kvconductor.index.conductor import Conductor, Incoming, Notice
+from kvconductor.index.fleet import IndexLimits
+from kvconductor.index.namespace import namespace_key
 from kvconductor.kernel import KERNEL
-from kvconductor.media import DEVICE, HOST
-from kvconductor.namespace_index import namespace_key
-from kvconductor.packing import unpack_u64
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.snapshots.units import state_fingerprint
+from kvconductor.wire.engine import ARRAY_FIELDS
+from kvconductor.wire.errors import BadRecord
+from kvconductor.wire.media import DEVICE, HOST
+from kvconductor.wire.packing import unpack_u64
 from tests.harness import fixture_records
 from tests.streams import mixed_stream
 

@@ -29,9 +29,13 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from kvconductor.api_client import metric_by, metric_sum, parse_metrics
 from kvconductor.config import KafkaConfig
-from kvconductor.events import (
+from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.index.namespace import NamespaceKey
+from kvconductor.index.pending import UNRESOLVED, WAITING
+from kvconductor.tools.api_client import metric_by, metric_sum, parse_metrics
+from kvconductor.tools.kafka_local.broker import free_ports
+from kvconductor.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -39,12 +43,8 @@ from kvconductor.events import (
     PoolBatch,
     PoolEvent,
 )
-from kvconductor.index import Index, IndexLimits
-from kvconductor.kafka_local import free_ports
-from kvconductor.namespace_index import NamespaceKey
-from kvconductor.pending import UNRESOLVED, WAITING
-from kvconductor.query_wire import HashQuery, TokenQuery
-from kvconductor.records import EngineMeta, PoolMeta
+from kvconductor.wire.query import HashQuery, TokenQuery
+from kvconductor.wire.records import EngineMeta, PoolMeta
 from tests.harness import (
     Record,
     daemon_config,

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvconductor.core import Conductor
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.index.conductor import Conductor
+from kvconductor.snapshots.units import state_fingerprint
 from tests.harness import (
     daemon_config,
     engine_headers,

@@ -35,24 +35,24 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from consumers.engine_wire import (
+from kvconductor.index.answer_shape import PyAnswerShape
+from kvconductor.index.block_store import PyBlockStore
+from kvconductor.index.conductor import Conductor
+from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.index.namespace import NamespaceIndex
+from kvconductor.index.pending import INTENT, UNRESOLVED, WAITING
+from kvconductor.wire.engine import (
     ARRAY_FIELDS,
     MAX_GROUP_IDX,
     MAX_NAME,
     U32_MAX,
     decode_engine_payload,
 )
-from consumers.pool_wire import decode_pool_payload
-from kvconductor.answer_shape import PyAnswerShape
-from kvconductor.block_store import PyBlockStore
-from kvconductor.core import Conductor
-from kvconductor.errors import BadRecord, DecodeError, RejectedEvent
-from kvconductor.events import BlockRemoved, BlockStored, PoolEvent
-from kvconductor.index import Index, IndexLimits
-from kvconductor.media import DEVICE, DISK, HOST, pool_tier
-from kvconductor.namespace_index import NamespaceIndex
-from kvconductor.pending import INTENT, UNRESOLVED, WAITING
-from kvconductor.query_wire import HashQuery, TokenQuery
+from kvconductor.wire.errors import BadRecord, DecodeError, RejectedEvent
+from kvconductor.wire.events import BlockRemoved, BlockStored, PoolEvent
+from kvconductor.wire.media import DEVICE, DISK, HOST, pool_tier
+from kvconductor.wire.pool import decode_pool_payload
+from kvconductor.wire.query import HashQuery, TokenQuery
 from tests import harness
 from tests.harness import engine_headers, pool_payload, removed, vllm_payload
 

@@ -34,13 +34,13 @@ import pytest
 from aiohttp import web
 from aiokafka import AIOKafkaProducer
 
-from kvconductor.api_client import Api, metric_sum, parse_metrics
 from kvconductor.config import Config, ConfigError, Secret, config_keys, load_config
-from kvconductor.http_api import API_KEY, make_app
-from kvconductor.http_front import QuerySite
-from kvconductor.kafka_local import free_ports
-from kvconductor.metrics import Metrics
-from kvconductor.termui import ToolError
+from kvconductor.http.api import API_KEY, make_app
+from kvconductor.http.front import QuerySite
+from kvconductor.obs.metrics import Metrics
+from kvconductor.tools.api_client import Api, metric_sum, parse_metrics
+from kvconductor.tools.kafka_local.broker import free_ports
+from kvconductor.tools.termui import ToolError
 from tests.harness import daemon_config, engine_headers, removed, stored, vllm_payload, wait_for
 from tests.test_http_api import FULL_ANSWER, TOKEN, TOKENS, fed_conductor, query
 
@@ -267,7 +267,7 @@ def test_servers_refuse_to_start_unauthenticated_on_a_public_address(argv: list[
     env.pop("KVCONDUCTOR_HTTP_AUTH_TOKEN", None)
     env.pop("KVCONDUCTOR_HTTP_AUTH_TOKEN_FILE", None)
     result = subprocess.run(
-        [sys.executable, "-m", "kvconductor.cli", *argv],
+        [sys.executable, "-m", "kvconductor.tools.cli", *argv],
         env=env,
         capture_output=True,
         text=True,
@@ -615,7 +615,7 @@ async def server_process(argv: list[str], cfg: Config, log: Path) -> AsyncIterat
     env = {**inherited, **config_env(cfg), "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconductor.cli", *argv],
+            [sys.executable, "-m", "kvconductor.tools.cli", *argv],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -13,12 +13,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvconductor.core import Conductor
-from kvconductor.events import BlockStored, EngineBatch
-from kvconductor.http_api import make_app
-from kvconductor.http_front import QuerySite
-from kvconductor.metrics import Metrics
-from kvconductor.records import EngineMeta
+from kvconductor.http.api import make_app
+from kvconductor.http.front import QuerySite
+from kvconductor.index.conductor import Conductor
+from kvconductor.obs.metrics import Metrics
+from kvconductor.wire.events import BlockStored, EngineBatch
+from kvconductor.wire.records import EngineMeta
 
 BS = 4
 # Four full blocks and a partial one (never indexed, never matched).

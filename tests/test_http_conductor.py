@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import pytest
 
-from kvconductor.events import BlockStored
-from kvconductor.hashing import extra_keys_fingerprint
-from kvconductor.index import Index
-from kvconductor.query_wire import TokenQuery
+from kvconductor.index.fleet import Index
+from kvconductor.wire.events import BlockStored
+from kvconductor.wire.hashing import extra_keys_fingerprint
+from kvconductor.wire.query import TokenQuery
 from tests import test_http_api
 from tests.test_http_api import BS, HASHES, TOKENS, post_json, query
 from tests.test_index_rules import BS as RULES_BS

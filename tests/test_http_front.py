@@ -1,4 +1,4 @@
-"""The query front (`kvconductor/http_front.py`) answers exactly as aiohttp.
+"""The query front (`kvconductor/http/front.py`) answers exactly as aiohttp.
 
 Over real TCP: any stream of requests, split anywhere, gets the same answers
 (status, headers but Date, body) from `QuerySite` as from aiohttp's own
@@ -17,7 +17,7 @@ import socket
 
 import pytest
 
-from kvconductor.http_front import MAX_HEAD_BYTES, MAX_HEADERS
+from kvconductor.http.front import MAX_HEAD_BYTES, MAX_HEADERS
 from tests.harness import wait_for
 from tests.test_http_abuse import closed_by_server, connection, read_answer, served
 from tests.test_http_api import FULL_ANSWER, HASHES, TOKEN, query

@@ -31,12 +31,18 @@ import zmq
 import zmq.asyncio
 from aiokafka import AIOKafkaProducer
 
-from kvconductor import kafka_local
 from kvconductor.config import Config, load_config
-from kvconductor.core import Conductor
-from kvconductor.query_wire import TokenQuery
-from kvconductor.replica import Replica
-from kvconductor.snapshots import InstanceUnit, OwnerUnit, UnitKey, decode_unit, state_fingerprint
+from kvconductor.index.conductor import Conductor
+from kvconductor.service.replica import Replica
+from kvconductor.snapshots.units import (
+    InstanceUnit,
+    OwnerUnit,
+    UnitKey,
+    decode_unit,
+    state_fingerprint,
+)
+from kvconductor.tools.kafka_local import broker as kafka_local
+from kvconductor.wire.query import TokenQuery
 from tests.bridge_fakes import FakePublisher, bridge_config, publisher, running_bridge
 from tests.harness import (
     FIXTURE_ROOT,

@@ -24,8 +24,8 @@ import msgspec
 import pytest
 import xxhash
 
-from kvconductor.core import Conductor
-from kvconductor.query_wire import TokenQuery
+from kvconductor.index.conductor import Conductor
+from kvconductor.wire.query import TokenQuery
 
 MODEL = "hybrid/generated"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvconductor.events import (
+from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -12,10 +13,15 @@ from kvconductor.events import (
     PoolBatch,
     PoolEvent,
 )
-from kvconductor.hashing import MASK64, chain_identities, local_block_hash, lora_seed, pack_tokens
-from kvconductor.index import Index, IndexLimits
-from kvconductor.query_wire import HashQuery, InvalidQuery, TokenQuery
-from kvconductor.records import EngineMeta, PoolMeta
+from kvconductor.wire.hashing import (
+    MASK64,
+    chain_identities,
+    local_block_hash,
+    lora_seed,
+    pack_tokens,
+)
+from kvconductor.wire.query import HashQuery, InvalidQuery, TokenQuery
+from kvconductor.wire.records import EngineMeta, PoolMeta
 
 BS = 4
 PROMPT = list(range(100, 124))  # six full blocks of four tokens
@@ -365,7 +371,7 @@ def test_pending_bounds_count_and_age() -> None:
 
 
 def test_pool_event_without_namespace_is_rejected_whole() -> None:
-    from kvconductor.errors import RejectedEvent
+    from kvconductor.wire.errors import RejectedEvent
 
     ix = Index()
     bad = PoolMeta(None, None, "default", "", None)
@@ -441,7 +447,7 @@ def test_content_outlives_its_holders_for_late_halves() -> None:
 
 
 def test_bridge_resync_control_record_clears_the_instance() -> None:
-    from kvconductor.core import Conductor
+    from kvconductor.index.conductor import Conductor
 
     c = Conductor()
     c.index.apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 3)], 0), 1.0)
@@ -458,7 +464,7 @@ def test_bridge_resync_control_record_clears_the_instance() -> None:
 
 
 def test_pool_resync_control_record_clears_the_backend() -> None:
-    from kvconductor.core import Conductor
+    from kvconductor.index.conductor import Conductor
 
     c = Conductor()
     c.index.apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 1)], 0), 1.0)
@@ -471,7 +477,7 @@ def test_pool_resync_control_record_clears_the_backend() -> None:
 
 
 def test_per_request_cache_salt_in_extra_keys_matches_a_salted_query() -> None:
-    from kvconductor.hashing import extra_keys_fingerprint
+    from kvconductor.wire.hashing import extra_keys_fingerprint
 
     ix = Index()
     salt = extra_keys_fingerprint(["s3cret"])
@@ -486,7 +492,7 @@ def test_per_request_cache_salt_in_extra_keys_matches_a_salted_query() -> None:
 
 
 def test_lora_name_in_extra_keys_does_not_hide_lora_blocks() -> None:
-    from consumers.engine_wire import decode_engine_payload
+    from kvconductor.wire.engine import decode_engine_payload
     from tests.harness import vllm_payload
 
     ev = {

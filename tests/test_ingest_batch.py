@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvconductor.core import Conductor, Incoming
-from kvconductor.errors import BadRecord, DecodeError
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.index.conductor import Conductor, Incoming
+from kvconductor.snapshots.units import state_fingerprint
+from kvconductor.wire.errors import BadRecord, DecodeError
 from tests.harness import fixture_records
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-hybrid" / "records.jsonl"

@@ -1,4 +1,4 @@
-"""The local Kafka broker (kvconductor.kafka_local) and aiokafka 0.14 against it."""
+"""The local Kafka broker (kvconductor.tools.kafka_local.broker) and aiokafka 0.14 against it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from kvconductor import kafka_local
+from kvconductor.tools.kafka_local import broker as kafka_local
 
 
 def _name(prefix: str) -> str:
@@ -110,7 +110,7 @@ def test_cluster_cli_rejects_secured_listeners(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-m",
-                "kvconductor.kafka_local",
+                "kvconductor.tools.kafka_local.broker",
                 "start",
                 "--dir",
                 str(tmp_path),

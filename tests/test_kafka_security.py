@@ -26,9 +26,9 @@ import pytest
 import zmq.asyncio
 from aiokafka.errors import KafkaConnectionError
 
-from kvconductor import kafka_local
 from kvconductor.config import load_config
-from kvconductor.kafka_errors import KafkaAccessError, check_access
+from kvconductor.kafka.access import KafkaAccessError, check_access
+from kvconductor.tools.kafka_local import broker as kafka_local
 from tests.bridge_fakes import FakePublisher
 from tests.harness import daemon_config, http_json, stored, vllm_payload, wait_for
 from tests.test_cli import REPO, cfg_env, kvconductor
@@ -380,7 +380,7 @@ def test_tls_services_run_on_asyncios_loop(protocol: str, loop: str) -> None:
     30 s more. Services over TLS run on asyncio's own loop."""
     script = (
         "import asyncio\n"
-        "from kvconductor.cli import _serve\n"
+        "from kvconductor.tools.cli import _serve\n"
         "from kvconductor.config import KafkaConfig, LogConfig\n"
         "async def main() -> int:\n"
         "    print(type(asyncio.get_running_loop()).__module__)\n"

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvconductor import hashing
-from kvconductor.hashing import pack_tokens
 from kvconductor.kernel import KERNEL, STATUS, Kernel
-from kvconductor.query_wire import TokenQuery, read_token_query
+from kvconductor.wire import hashing
+from kvconductor.wire.hashing import pack_tokens
+from kvconductor.wire.query import TokenQuery, read_token_query
 
 BLOCK = 4
 

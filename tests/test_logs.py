@@ -6,7 +6,7 @@ import logging
 
 import structlog
 
-from kvconductor.logs import KafkaLogHandler
+from kvconductor.obs.logs import KafkaLogHandler
 
 
 def test_aiokafka_errors_go_to_the_structured_log_rate_limited() -> None:

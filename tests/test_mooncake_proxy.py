@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from kvconductor.publishers import StreamKey
+from kvconductor.registry.publishers import StreamKey
 from tests.bridge_fakes import FakePublisher, running_bridge
 from tests.harness import http_json, running, stored, vllm_payload, wait_for
 from tests.test_registrations import daemon_and_bridge

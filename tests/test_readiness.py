@@ -9,7 +9,7 @@ from collections.abc import Awaitable
 import aiohttp
 import pytest
 
-from kvconductor.api_client import parse_metrics
+from kvconductor.tools.api_client import parse_metrics
 from tests.harness import daemon_config, http_json, produce, running, wait_for
 from tests.streams import mixed_stream
 

@@ -8,10 +8,10 @@ import re
 import warnings
 from pathlib import Path
 
-from kvconductor import kafka_local
-from kvconductor.cli import build_parser
 from kvconductor.config import config_keys
-from kvconductor.metrics import Metrics
+from kvconductor.obs.metrics import Metrics
+from kvconductor.tools.cli import build_parser
+from kvconductor.tools.kafka_local import broker as kafka_local
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

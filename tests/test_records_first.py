@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import pytest
 
-from kvconductor import snapshots
-from kvconductor.block_store import BlockStore, PyBlockStore
+from kvconductor.index.block_store import BlockStore, PyBlockStore
 from kvconductor.kernel import KERNEL
-from kvconductor.media import DEVICE, HOST
-from kvconductor.packing import unpack_u64
 from kvconductor.records_first import RecordsFirst
-from kvconductor.snapshots import CutUnit, OwnerUnit, PoolUnit, completing
+from kvconductor.snapshots import units as snapshots
+from kvconductor.snapshots.units import CutUnit, OwnerUnit, PoolUnit, completing
+from kvconductor.wire.media import DEVICE, HOST
+from kvconductor.wire.packing import unpack_u64
 
 
 async def test_a_turn_while_idle_lets_ready_tasks_run() -> None:

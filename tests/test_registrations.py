@@ -19,16 +19,13 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from consumers.topics import ensure_topics_on
 from kvconductor.bridge.config import BridgeConfig
 from kvconductor.config import Config
-from kvconductor.core import Conductor
-from kvconductor.daemon import topic_specs
-from kvconductor.http_api import make_app
-from kvconductor.metrics import Metrics
-from kvconductor.publishers import StreamKey
-from kvconductor.registration_log import RegistrationLog
-from kvconductor.registrations import (
+from kvconductor.http.api import make_app
+from kvconductor.index.conductor import Conductor
+from kvconductor.kafka.topics import ensure_topics_on, topic_specs
+from kvconductor.obs.metrics import Metrics
+from kvconductor.registry.bodies import (
     HashProfile,
     InvalidRegistration,
     RegisterBody,
@@ -37,6 +34,8 @@ from kvconductor.registrations import (
     same_registration,
     to_publisher,
 )
+from kvconductor.registry.log import RegistrationLog
+from kvconductor.registry.publishers import StreamKey
 from tests.bridge_fakes import FakePublisher, bridge_config, running_bridge
 from tests.harness import daemon_config, running, wait_for
 from tests.test_http_api import fed_conductor

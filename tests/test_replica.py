@@ -30,14 +30,14 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from kvconductor import kafka_local
 from kvconductor.config import Config
-from kvconductor.core import Conductor
-from kvconductor.daemon import Daemon
-from kvconductor.index import Index, IndexLimits
-from kvconductor.replica import Replica, SnapshotUnusable, run_replica
-from kvconductor.snapshot_store import SnapshotPublisher, chunk_key, read_snapshot
-from kvconductor.snapshots import (
+from kvconductor.index.conductor import Conductor
+from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.service.daemon import Daemon
+from kvconductor.service.replica import Replica, SnapshotUnusable
+from kvconductor.service.replica_server import run_replica
+from kvconductor.snapshots.store import SnapshotPublisher, chunk_key, read_snapshot
+from kvconductor.snapshots.units import (
     SCHEMA_VERSION,
     GenerationUnit,
     InstanceUnit,
@@ -53,6 +53,7 @@ from kvconductor.snapshots import (
     restore,
     state_fingerprint,
 )
+from kvconductor.tools.kafka_local import broker as kafka_local
 from tests.harness import (
     daemon_config,
     engine_headers,
@@ -597,7 +598,7 @@ async def test_replica_server_waits_for_the_topics_then_answers_like_the_daemon(
     )
     log = (tmp_path / "replica.log").open("wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "kvconductor.cli", "replica", "--config", str(config)],
+        [sys.executable, "-m", "kvconductor.tools.cli", "replica", "--config", str(config)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=log,

@@ -22,8 +22,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
 from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
 from consumers.positions import resume_positions
-from kvconductor.core import Conductor
-from kvconductor.metrics import Metrics
+from kvconductor.index.conductor import Conductor
+from kvconductor.obs.metrics import Metrics
 from tests.harness import engine_headers, stored, vllm_payload
 
 pytestmark = pytest.mark.kafka

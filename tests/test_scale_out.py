@@ -14,9 +14,9 @@ from aiokafka.errors import KafkaError
 
 from consumers.routing import pool_routes
 from kvconductor.config import Config
-from kvconductor.core import Conductor
-from kvconductor.daemon import Daemon
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.index.conductor import Conductor
+from kvconductor.service.daemon import Daemon
+from kvconductor.snapshots.units import state_fingerprint
 from tests.harness import (
     Record,
     daemon_config,
@@ -203,7 +203,7 @@ async def test_daemons_share_partitions_and_union_equals_single_run(
             diff = sorted(
                 (k for k in got.keys() | want.keys() if got.get(k) != want.get(k)), key=repr
             )
-            from kvconductor.snapshots import decode_unit
+            from kvconductor.snapshots.units import decode_unit
 
             detail = []
             for key in diff[:2]:

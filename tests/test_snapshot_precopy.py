@@ -24,13 +24,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from consumers.topics import ensure_topics_on
-from kvconductor import snapshot_store
-from kvconductor.core import Conductor
-from kvconductor.daemon import topic_specs
-from kvconductor.index import Index, IndexLimits
-from kvconductor.snapshot_store import SnapshotPublisher, read_snapshot
-from kvconductor.snapshots import UnitKey, restore, state_fingerprint
+from kvconductor.index.conductor import Conductor
+from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.kafka.topics import ensure_topics_on, topic_specs
+from kvconductor.snapshots import store as snapshot_store
+from kvconductor.snapshots.store import SnapshotPublisher, read_snapshot
+from kvconductor.snapshots.units import UnitKey, restore, state_fingerprint
 from tests.harness import (
     daemon_config,
     engine_headers,

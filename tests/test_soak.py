@@ -24,8 +24,10 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from kvconductor.core import Conductor
-from kvconductor.demo_engines import (
+from kvconductor.index.conductor import Conductor
+from kvconductor.index.fleet import IndexLimits
+from kvconductor.snapshots.units import state_fingerprint
+from kvconductor.tools.demo.engines import (
     DEMO_BLOCK_SIZE,
     DEMO_MODEL,
     KafkaSink,
@@ -36,13 +38,11 @@ from kvconductor.demo_engines import (
     engine_headers,
     engine_payload,
 )
-from kvconductor.errors import BadRecord
-from kvconductor.index import IndexLimits
-from kvconductor.query_wire import TokenQuery
-from kvconductor.snapshots import state_fingerprint
-from kvconductor.soak import FAULT_KINDS
-from kvconductor.soak_check import dead_letters, lost, pending_differences, replay
-from kvconductor.soak_traffic import HOSTILE_KINDS, SlowEvictingLru, hostile, record_digest
+from kvconductor.tools.soak.check import dead_letters, lost, pending_differences, replay
+from kvconductor.tools.soak.run import FAULT_KINDS
+from kvconductor.tools.soak.traffic import HOSTILE_KINDS, SlowEvictingLru, hostile, record_digest
+from kvconductor.wire.errors import BadRecord
+from kvconductor.wire.query import TokenQuery
 from tests.test_cli import REPO, kvconductor
 
 SOAK_TIMEOUT_S = 900.0

@@ -19,19 +19,19 @@ import aiohttp
 import msgspec
 import pytest
 
-from kvconductor.core import Conductor
-from kvconductor.engine_hashes import (
+from kvconductor.index.conductor import Conductor
+from kvconductor.registry.bodies import HashProfile, check_hash_profile, root_digest
+from kvconductor.snapshots.units import state_fingerprint
+from kvconductor.wire.engine_hashes import (
     DEFAULT_NONE_HASH_SEED,
     BlockNames,
     VllmProfile,
     encode,
     none_hash,
 )
-from kvconductor.events import PoolBatch, PoolEvent
-from kvconductor.query_wire import TokenQuery
-from kvconductor.records import PoolMeta
-from kvconductor.registrations import HashProfile, check_hash_profile, root_digest
-from kvconductor.snapshots import state_fingerprint
+from kvconductor.wire.events import PoolBatch, PoolEvent
+from kvconductor.wire.query import TokenQuery
+from kvconductor.wire.records import PoolMeta
 from tests.harness import (
     FIXTURE_ROOT,
     daemon_config,

@@ -10,15 +10,15 @@ import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from consumers.topics import (
+from kvconductor.config import load_config
+from kvconductor.kafka.topics import (
     Replication,
     TopicError,
     TopicSpec,
     ensure_topics_on,
     replication_for,
+    topic_specs,
 )
-from kvconductor.config import load_config
-from kvconductor.daemon import topic_specs
 
 
 def _spec(name: str, factor: int | None = None) -> TopicSpec:

@@ -29,10 +29,10 @@ from typing import IO, Any
 import pytest
 
 from consumers.dead_letters import dead_letter_headers
-from consumers.topics import TopicSpec, ensure_topics_on
-from kvconductor.api_client import metric_sum, parse_metrics
 from kvconductor.config import Config
-from kvconductor.kafka_local import free_ports
+from kvconductor.kafka.topics import TopicSpec, ensure_topics_on
+from kvconductor.tools.api_client import metric_sum, parse_metrics
+from kvconductor.tools.kafka_local.broker import free_ports
 from tests.harness import (
     daemon_config,
     engine_headers,

@@ -2,7 +2,7 @@
 //! without Python: `[ts, [events], dp_rank]` with tagged map or array
 //! `BlockStored` / `BlockRemoved` events, int hashes, token ids as ints.
 //!
-//! `consumers/engine_wire.py` stays the decoder of record: `decode` returns
+//! `kvconductor/wire/engine.py` stays the decoder of record: `decode` returns
 //! None for anything outside this subset (other envelopes, digest hashes,
 //! `AllBlocksCleared`, SGLang's salts and bigram tokens, a duplicate key,
 //! trailing bytes, and every malformed payload), and the record then goes

@@ -1,6 +1,6 @@
 //! The engine lane: a batch of Kafka records applied straight to the
 //! namespaces' block stores, with no Python per record or event, for the
-//! records real engines send most (see `kvconductor/engine_lane.py`, which
+//! records real engines send most (see `kvconductor/index/engine_lane.py`, which
 //! drives it, and docs/index-design.md "The engine lane").
 //!
 //! `run` takes records in order and stops at the first one it cannot apply

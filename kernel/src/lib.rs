@@ -1,7 +1,7 @@
 //! Compiled kernels for kvconductor's hot paths (see `kvconductor/kernel.py`):
 //! a namespace's block store (`store`, with the query's tier walk), the
 //! query answer's shape (`shape`) and
-//! `kvconductor.hashing`'s prompt packing and chain hashing
+//! `kvconductor.wire.hashing`'s prompt packing and chain hashing
 //! (`identity_i = xxh3_64(block_i, seed = identity_{i-1})`). Both paths must
 //! give the pure-Python ones' answers (tests/test_kernel.py,
 //! tests/test_block_store.py).
@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-/// `kvconductor.hashing.chain_identities` without extra keys.
+/// `kvconductor.wire.hashing.chain_identities` without extra keys.
 #[pyfunction]
 fn chain_identities(
     data: &[u8],
@@ -46,7 +46,7 @@ fn chain_identities(
         .collect())
 }
 
-/// `kvconductor.hashing.pack_tokens`: token ids as little-endian u32.
+/// `kvconductor.wire.hashing.pack_tokens`: token ids as little-endian u32.
 /// OverflowError outside u32, TypeError for a non-integer, like `array`.
 #[pyfunction]
 fn pack_tokens<'py>(py: Python<'py>, tokens: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
@@ -121,7 +121,7 @@ fn pack_small_ints<'py>(py: Python<'py>, list: &Bound<'py, PyList>) -> PyResult<
     packed_tokens(py, list.len(), |i| unsafe { small_int::read(*items.add(i)) })
 }
 
-/// `kvconductor.hashing.tokens_from_msgpack`: one msgpack array of token ids
+/// `kvconductor.wire.hashing.tokens_from_msgpack`: one msgpack array of token ids
 /// in [0, 2**32), exactly, as little-endian u32; None for anything else
 /// (the decoder's slow path then says what is wrong). Read straight into
 /// the bytes object: collecting a vector first grew it by doubling and
@@ -155,7 +155,7 @@ pub(crate) fn msgpack_u32(rd: &mut &[u8]) -> Option<u32> {
     Some(value)
 }
 
-/// `kvconductor.hashing.tokens_from_json`: one JSON array of token ids in
+/// `kvconductor.wire.hashing.tokens_from_json`: one JSON array of token ids in
 /// [0, 2**32), as little-endian u32; None for anything else (the query
 /// API's typed decoder then says what is wrong).
 #[pyfunction]

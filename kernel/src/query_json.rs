@@ -1,4 +1,4 @@
-//! `kvconductor.query_wire.read_token_query`, compiled: a `POST /query`
+//! `kvconductor.wire.query.read_token_query`, compiled: a `POST /query`
 //! body read in one pass, its tokens packed as they are parsed. Only what
 //! is plainly valid is taken; anything else (a wrong type, a duplicate or
 //! missing field, a token outside u32, not an object, an escaped key) gives
@@ -24,7 +24,7 @@ type Read<'py> = (
     Option<String>,
 );
 
-/// `kvconductor.query_wire.TokenQuery`'s fields as they are read.
+/// `kvconductor.wire.query.TokenQuery`'s fields as they are read.
 #[derive(Default)]
 struct Fields {
     model: Option<String>,
@@ -110,7 +110,7 @@ fn value_at<'de, T: Deserialize<'de>>(json: &'de [u8], at: &mut usize) -> Option
     Some(value)
 }
 
-/// `kvconductor.hashing.tokens_from_json`: one JSON array of token ids in
+/// `kvconductor.wire.hashing.tokens_from_json`: one JSON array of token ids in
 /// [0, 2**32), as little-endian u32 bytes; None for anything else.
 pub fn json_tokens(json: &[u8]) -> Option<Vec<u8>> {
     let mut at = skip_space(json, 0);

@@ -1,4 +1,4 @@
-//! `AnswerShape`: `kvconductor/answer_shape.py`'s `PyAnswerShape`, compiled.
+//! `AnswerShape`: `kvconductor/index/answer_shape.py`'s `PyAnswerShape`, compiled.
 //! The answer is made here, as dicts with interned keys or as the JSON the
 //! HTTP API sends, with the owners' names and `DP` keys made once per
 //! layout, not once per query, and the layout made again in Rust after a
@@ -42,7 +42,7 @@ pub(crate) type Lengths = (u64, u64, u64);
 /// Owner slots whose answer table fits on the stack (8 KB).
 const STACK_SLOTS: usize = 256;
 
-/// `kvconductor/answer_shape.py`'s `SPARSE`.
+/// `kvconductor/index/answer_shape.py`'s `SPARSE`.
 const SPARSE: usize = 8;
 
 /// `AnswerShape::place` of a slot no owner has.

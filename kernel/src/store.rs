@@ -1,5 +1,5 @@
 //! `BlockStore`: a namespace's per-block state, compiled. Its semantics are
-//! `kvconductor/block_store.py`'s `PyBlockStore`, call for call
+//! `kvconductor/index/block_store.py`'s `PyBlockStore`, call for call
 //! (tests/test_block_store.py drives both and compares them).
 //!
 //! The layout is for memory (issue #5: at most 100 bytes per (block, owner)):
@@ -639,7 +639,7 @@ impl Frozen {
     }
 }
 
-/// `kvconductor.block_store.PyBlockStore`, compiled.
+/// `kvconductor.index.block_store.PyBlockStore`, compiled.
 #[pyclass(module = "kvconductor._kernel")]
 pub struct BlockStore {
     cat: Catalog,

@@ -12,5 +12,5 @@ recovery), `registry` (run-time registrations on a compacted topic), `http`
 (the API), `metrics`, `stream` (one publisher socket end to end) and `app`
 (the bridge and `run_bridge`), each imported from its module: the daemon
 imports the pure ones (`config`, `records`) through
-`kvconductor.registrations` without the rest. See docs/bridge.md.
+`kvconductor.registry.bodies` without the rest. See docs/bridge.md.
 """

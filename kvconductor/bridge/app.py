@@ -23,7 +23,6 @@ import zmq.asyncio
 from aiohttp import web
 from aiokafka.errors import KafkaError
 
-from consumers.topics import Replication, TopicError, TopicSpec, compacted_spec, ensure_topics_on
 from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.http import make_app
@@ -32,23 +31,30 @@ from kvconductor.bridge.records import Entry, resync_entry
 from kvconductor.bridge.registry import Registry
 from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
-from kvconductor.config import Config, kafka_client_options, reveal
-from kvconductor.daemon import topic_specs
-from kvconductor.kafka_errors import check_access
-from kvconductor.publishers import PublisherConfig, StreamKey
-from kvconductor.service import FatalError, serve_until_signalled
+from kvconductor.config import kafka_client_options, reveal
+from kvconductor.kafka.access import check_access
+from kvconductor.kafka.topics import (
+    Replication,
+    TopicError,
+    TopicSpec,
+    compacted_spec,
+    ensure_topics_on,
+    event_topic_specs,
+)
+from kvconductor.lifecycle import FatalError, serve_until_signalled
+from kvconductor.registry.publishers import PublisherConfig, StreamKey
 
 log = structlog.get_logger("kvconductor.bridge")
 
 
 def bridge_topic_specs(cfg: BridgeConfig) -> list[TopicSpec]:
-    """The daemon's specs for the engine and pool topics, plus the compacted
-    registrations topic."""
+    """The engine and pool topics, as the daemon creates them, plus the
+    compacted registrations topic."""
     k = cfg.kafka
-    daemon = topic_specs(Config(kafka=k))
-    specs = [s for s in daemon if s.name in (k.engine_topic, k.pool_topic)]
-    specs.append(compacted_spec(cfg.bridge.registrations_topic, k.partitions, k.replication_factor))
-    return specs
+    registrations = compacted_spec(
+        cfg.bridge.registrations_topic, k.partitions, k.replication_factor
+    )
+    return [*event_topic_specs(k), registrations]
 
 
 class Bridge:
@@ -110,6 +116,9 @@ class Bridge:
             detail["registrations"] = len(self.registry.log.catalog)
             detail["registration_partitions"] = sorted(self.registry.owned)
         return ok, detail
+
+    def update_gauges(self) -> None:
+        self.sink.update_gauges()
 
     def describe(self) -> dict[str, object]:
         return {

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvconductor.bridge.records import Entry
-from kvconductor.publishers import StreamKey
+from kvconductor.registry.publishers import StreamKey
 
 
 class Budget:

@@ -34,7 +34,7 @@ from kvconductor.config import (
     LogConfig,
     Secret,
 )
-from kvconductor.publishers import (
+from kvconductor.registry.publishers import (
     PublisherConfig,
     publisher_from_mapping,
 )

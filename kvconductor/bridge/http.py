@@ -2,7 +2,7 @@
 
 - `POST /register`, `POST /unregister`, `GET /services`, `GET /global_view`:
   registrations in Mooncake Conductor's msgpack form or the bridge's JSON
-  form (`kvconductor.registration_http`, the daemon serves the same); 404
+  form (`kvconductor.registry.routes`, the daemon serves the same); 404
   while `bridge.registrations = false`; 409 when the config file already
   defines that publisher rank.
 - `GET /publishers`: the streams this bridge relays and every registration.
@@ -17,18 +17,32 @@ Errors are `{"error": ...}`, in msgpack for requests in the msgpack form.
 
 from __future__ import annotations
 
-import hmac
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from kvconductor.bridge.metrics import CONTENT_TYPE
-from kvconductor.registration_http import RegistrationRoutes, error_reply
+from kvconductor.bridge.metrics import CONTENT_TYPE, BridgeMetrics
+from kvconductor.http.auth import bearer_ok, header_bytes
+from kvconductor.registry.routes import Registrar, RegistrationRoutes, error_reply
 
-if TYPE_CHECKING:
-    from kvconductor.bridge.app import Bridge
+
+class BridgeControl(Protocol):
+    """What the bridge's routes read of the running bridge (`bridge.app.Bridge`)."""
+
+    @property
+    def metrics(self) -> BridgeMetrics: ...
+
+    @property
+    def registry(self) -> Registrar | None: ...
+
+    def describe(self) -> dict[str, object]: ...
+
+    def health(self) -> tuple[bool, dict[str, object]]: ...
+
+    def update_gauges(self) -> None: ...
+
 
 JSON = "application/json"
 MAX_BODY_BYTES = 64 * 1024
@@ -41,17 +55,17 @@ def _json(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(payload), status=status, content_type=JSON)
 
 
-def make_app(bridge: Bridge, auth_token: str | None = None) -> web.Application:
+def make_app(bridge: BridgeControl, auth_token: str | None = None) -> web.Application:
     metrics = bridge.metrics
+    token = None if auth_token is None else auth_token.encode()
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         name = request.match_info.route.name or "unknown"
-        if auth_token is not None and name in PROTECTED:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {auth_token}".encode()):
-                metrics.http_requests.labels(name, "401").inc()
-                return error_reply(request, 401, "missing or wrong bearer token")
+        authorization = header_bytes(request.headers.get("Authorization"))
+        if name in PROTECTED and not bearer_ok(authorization, token):
+            metrics.http_requests.labels(name, "401").inc()
+            return error_reply(request, 401, "missing or wrong bearer token")
         try:
             response = await handler(request)
         except web.HTTPException as exc:
@@ -68,7 +82,7 @@ def make_app(bridge: Bridge, auth_token: str | None = None) -> web.Application:
         return _json(detail, 200 if ok else 503)
 
     async def metrics_text(request: web.Request) -> web.Response:
-        bridge.sink.update_gauges()
+        bridge.update_gauges()
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvconductor.metrics import CONTENT_TYPE
+from kvconductor.obs.metrics import CONTENT_TYPE
 
 __all__ = ["CONTENT_TYPE", "BridgeMetrics"]
 

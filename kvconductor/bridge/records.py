@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvconductor.publishers import PublisherConfig
+from kvconductor.registry.publishers import PublisherConfig
 
 Headers = list[tuple[str, bytes]]
 

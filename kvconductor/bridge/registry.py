@@ -1,7 +1,7 @@
 """Which bridge relays which registration.
 
-Registrations (`kvconductor.registrations`, made at any bridge or daemon)
-live on the compacted `registrations_topic` (`kvconductor.registration_log`);
+Registrations (`kvconductor.registry.bodies`, made at any bridge or daemon)
+live on the compacted `registrations_topic` (`kvconductor.registry.log`);
 every bridge reads the whole topic (the catalog) and follows it. Which
 bridge relays which registration is decided by a Kafka consumer group
 (`bridge.group_id`) on the same topic: a bridge relays the registrations in
@@ -25,9 +25,9 @@ from aiokafka.errors import KafkaError
 
 from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.publishers import PublisherConfig, StreamKey
-from kvconductor.registration_log import CALL_TIMEOUT_S, RegistrationLog, cancelled
-from kvconductor.registrations import RegisterBody, RegistrationConflict, to_publisher
+from kvconductor.registry.bodies import RegisterBody, RegistrationConflict, to_publisher
+from kvconductor.registry.log import CALL_TIMEOUT_S, RegistrationLog, cancelled
+from kvconductor.registry.publishers import PublisherConfig, StreamKey
 
 log = structlog.get_logger("kvconductor.bridge.registry")
 

@@ -45,7 +45,7 @@ from kvconductor.bridge.frames import Message
 from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import data_entry, resync_entry
 from kvconductor.bridge.replay import ReplayError
-from kvconductor.publishers import PublisherConfig
+from kvconductor.registry.publishers import PublisherConfig
 
 log = structlog.get_logger("kvconductor.bridge.relay")
 

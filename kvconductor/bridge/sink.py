@@ -38,8 +38,8 @@ from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import Entry
 from kvconductor.config import kafka_client_options
-from kvconductor.kafka_clients import retire
-from kvconductor.publishers import StreamKey
+from kvconductor.kafka.clients import retire
+from kvconductor.registry.publishers import StreamKey
 
 log = structlog.get_logger("kvconductor.bridge.sink")
 

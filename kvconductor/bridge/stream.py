@@ -21,7 +21,7 @@ from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.relay import Relay
 from kvconductor.bridge.replay import ReplayClient
 from kvconductor.bridge.subscription import Subscription
-from kvconductor.publishers import PublisherConfig, StreamKey, endpoint_for_rank
+from kvconductor.registry.publishers import PublisherConfig, StreamKey, endpoint_for_rank
 
 log = structlog.get_logger("kvconductor.bridge.stream")
 

@@ -1,0 +1,3 @@
+"""The HTTP API (contract section 4 and operations): `api` the aiohttp routes and
+rules, `front` the fast path that answers plain queries straight off the socket.
+"""

@@ -1,0 +1,272 @@
+"""The index core's public API: records in, answers out.
+
+    conductor = Conductor()
+    conductor.ingest_engine_record(b"vllm-0", headers, payload, timestamp_s)
+    conductor.ingest_pool_record(b"mooncake-0", headers, payload, timestamp_s)
+    conductor.query(TokenQuery(model="m", block_size=16, token_ids=[...]))
+
+A record either applies whole or raises `BadRecord` (nothing applied).
+Time is whatever the caller passes (the Kafka record timestamp in the
+daemon), so replaying the same records gives the same index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvconductor.index.engine_lane import EngineLane
+from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.index.namespace import NamespaceKey
+from kvconductor.index.pending import INTENT, UNRESOLVED, WAITING
+from kvconductor.kernel import KERNEL
+from kvconductor.wire.engine import decode_engine_payload
+from kvconductor.wire.errors import DecodeError, InvalidHeader
+from kvconductor.wire.media import DEVICE, DISK, HOST
+from kvconductor.wire.pool import decode_pool_payload
+from kvconductor.wire.query import HashQuery, QueryResponse, TokenQuery
+from kvconductor.wire.records import (
+    Headers,
+    Incoming,
+    control_meta,
+    engine_meta,
+    header_map,
+    pool_meta,
+)
+
+__all__ = ["Applied", "Conductor", "Incoming", "Notice"]
+
+
+class Applied(NamedTuple):
+    blocks: int  # blocks placed, removed or cleared by the record
+    seq_missing: int  # messages missing before this one by `kv-seq` (0: none)
+    resync: bool = False  # a bridge's resync control record was applied
+
+
+class Notice(NamedTuple):
+    """A record of a batch the caller must hear of: it was not applied
+    (`error`), or it applied with something to say (`applied.seq_missing`,
+    `applied.resync`). `error` is a `BadRecord`, or any other exception the
+    core raised (a bug: the record is skipped all the same)."""
+
+    at: int  # position in the batch
+    applied: Applied | None
+    error: Exception | None
+
+
+def _key_text(key: bytes | str | None, what: str) -> str:
+    if key is None:
+        raise InvalidHeader(f"record has no key ({what} id)")
+    if isinstance(key, str):
+        return key
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidHeader(f"record key ({what} id) is not valid UTF-8") from exc
+
+
+class Conductor:
+    def __init__(self, limits: IndexLimits | None = None, lane: bool = True) -> None:
+        """`lane`: apply what the compiled kernel can of `ingest`'s batches
+        there (`engine_lane`; with the kernel built). Off, every record
+        takes the Python path, the reference the lane is held equal to."""
+        self.index = Index(limits)
+        self.lane = EngineLane(self.index) if lane and KERNEL is not None else None
+
+    # ------------------------------------------------------------ ingest
+
+    def ingest_engine_record(
+        self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
+    ) -> Applied:
+        """One engine record, the Python way (`ingest` applies batches)."""
+        try:
+            return self._engine_record(key, headers, payload, now)
+        finally:
+            if self.lane is not None:
+                self.lane.forget(key)
+
+    def _engine_record(
+        self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
+    ) -> Applied:
+        instance = _key_text(key, "instance")
+        h = header_map(headers)
+        control = control_meta(h)
+        if control is not None:
+            return Applied(self.index.resync(instance, control.dp_rank), 0, True)
+        meta = engine_meta(h)
+        batch = decode_engine_payload(payload, meta.source)
+        blocks = self.index.apply_engine(instance, meta, batch, now)
+        rank = batch.dp_rank if batch.dp_rank is not None else meta.dp_rank
+        missing = self.index.check_seq(instance, rank, meta.seq)
+        return Applied(blocks, missing)
+
+    def ingest(self, records: Sequence[Incoming]) -> list[Notice]:
+        """Apply records in order, each whole or not at all; returns the
+        notices, in order, of the records that were skipped or have
+        something to say (most records have none)."""
+        notices: list[Notice] = []
+        lane = self.lane
+        if lane is not None and not isinstance(records, list):
+            records = list(records)
+        i, n = 0, len(records)
+        while i < n:
+            if lane is not None:
+                stop = lane.run(records, i)
+                notices += [Notice(at, Applied(b, missing), None) for at, b, missing in stop.gaps]
+                if not stop.python:
+                    break
+                i = stop.at
+            rec = records[i]
+            notice = self._ingest_one(i, rec)
+            if notice is not None:
+                notices.append(notice)
+            if lane is not None and not rec.pool:
+                lane.forget(rec.key)
+            i += 1
+        return notices
+
+    def _ingest_one(self, i: int, rec: Incoming) -> Notice | None:
+        try:
+            if rec.value is None:
+                raise DecodeError("record has no value")
+            ingest = self.ingest_pool_record if rec.pool else self._engine_record
+            applied = ingest(rec.key, rec.headers, rec.value, rec.now)
+        except Exception as exc:  # a core bug skips the record, never the batch
+            return Notice(i, None, exc)
+        if applied.resync or applied.seq_missing:
+            return Notice(i, applied, None)
+        return None
+
+    def ingest_pool_record(
+        self, key: bytes | str | None, headers: Headers, payload: bytes, now: float
+    ) -> Applied:
+        backend = _key_text(key, "backend")
+        h = header_map(headers)
+        if control_meta(h) is not None:
+            return Applied(self.index.pool_resync(backend), 0, True)
+        meta = pool_meta(h)
+        batch = decode_pool_payload(payload)
+        return Applied(self.index.apply_pool(backend, meta, batch, now), 0)
+
+    def expire(self, now: float) -> None:
+        self.index.expire(now)
+
+    def remove_instance(self, instance: str) -> bool:
+        return self.index.remove_instance(instance)
+
+    # ----------------------------------------------------------- queries
+
+    def query(self, req: TokenQuery, packed: bytes | None = None) -> QueryResponse:
+        """`packed`: the prompt already packed, in place of `req.token_ids`
+        (see `query.run_query`)."""
+        return self.index.query(req, packed)
+
+    def query_by_hash(self, req: HashQuery) -> QueryResponse:
+        return self.index.query(req)
+
+    def query_json(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> bytes:
+        """`query` or `query_by_hash`, answered as the HTTP API's JSON body."""
+        return self.index.query_json(req, packed)
+
+    def query_ranks(
+        self, req: TokenQuery | HashQuery, packed: bytes | None = None
+    ) -> dict[str, dict[int, tuple[int, int, int]]]:
+        """Per listed instance and rank, (GPU, CPU, DISK) in tokens: the
+        match behind `query`, for answers that list every rank."""
+        return self.index.query_ranks(req, packed)
+
+    @property
+    def local_hash_map_on(self) -> bool:
+        """Whether namespaces learn Dynamo's local block hashes (`query_local_hashes`)."""
+        return self.index.limits.local_hash_map > 0
+
+    def query_local_hashes(
+        self, tenant: str, model: str, local: list[int]
+    ) -> tuple[int, dict[str, dict[int, tuple[int, int, int]]]]:
+        """A prompt named by Dynamo's local block hashes (u64): the block
+        size of its namespace and, per listed instance and rank, (GPU, CPU,
+        DISK) in tokens (`query.run_local_hash_query`)."""
+        return self.index.query_local_hashes(tenant, model, local)
+
+    # ----------------------------------------------------------- reading
+
+    @property
+    def counters(self) -> Counter[str]:
+        """Everything skipped, dropped or noticed, by name."""
+        return self.index.counters
+
+    @property
+    def applied(self) -> Counter[tuple[str, str]]:
+        """Blocks applied by (source, tier): tiers GPU, CPU, DISK, intent."""
+        return self.index.applied
+
+    @property
+    def namespace_count(self) -> int:
+        return len(self.index.namespaces)
+
+    @property
+    def instance_count(self) -> int:
+        return len(self.index.instances)
+
+    def pending(self) -> dict[str, int]:
+        """Pending two-phase halves across namespaces, by kind, and the content
+        kept for late halves after its last holder went (`retired`)."""
+        out = {"waiting": 0, "unresolved": 0, "intents": 0, "retired": 0}
+        for ns in self.index.namespaces.values():
+            by_kind = ns.pending.by_kind
+            out["waiting"] += by_kind[WAITING]
+            out["unresolved"] += by_kind[UNRESOLVED]
+            out["intents"] += by_kind[INTENT]
+            out["retired"] += ns.store.retired_len()
+        return out
+
+    def context_blocks(self) -> dict[tuple[str, str, str, int], int]:
+        """Distinct blocks held, per (tenant, model, LoRA or "", block size):
+        Conductor's `prefix_count`, over every salt."""
+        out: dict[tuple[str, str, str, int], int] = {}
+        for key, ns in self.index.namespaces.items():
+            context = (key.tenant, key.model, key.lora_name or "", key.block_size)
+            held = ns.store.content_len() - ns.store.retired_len()
+            out[context] = out.get(context, 0) + held
+        return out
+
+    def workers(self) -> list[dict[str, object]]:
+        """Instances, ranks and per-tier block counts per namespace."""
+        out: list[dict[str, object]] = []
+        for key in sorted(self.index.namespaces, key=_ns_sort_key):
+            ns = self.index.namespaces[key]
+            instances: dict[str, dict[str, object]] = {}
+            for instance in sorted(ns.owners):
+                ranks = ns.owners[instance]
+                instances[instance] = {
+                    str(rank): {
+                        "GPU": ns.store.tier_len(o.slot, DEVICE),
+                        "CPU": ns.store.tier_len(o.slot, HOST),
+                        "DISK": ns.store.tier_len(o.slot, DISK),
+                    }
+                    for rank, o in sorted(ranks.items())
+                }
+            pools: dict[str, dict[str, int]] = {}
+            for (backend, medium), store in sorted(ns.pools.items()):
+                pools.setdefault(backend, {})[medium] = ns.store.pool_len(store.pid)
+            out.append(
+                {
+                    "tenant": key.tenant,
+                    "model": key.model,
+                    "block_size": key.block_size,
+                    "lora_name": key.lora_name,
+                    "salt": key.salt,
+                    "instances": instances,
+                    "pools": pools,
+                    "last_event_ts": ns.now,
+                }
+            )
+        return out
+
+    def is_empty(self) -> bool:
+        return self.index.is_empty()
+
+
+def _ns_sort_key(key: NamespaceKey) -> tuple[str, str, int, str, str]:
+    return (key.tenant, key.model, key.block_size, key.lora_name or "", key.salt)

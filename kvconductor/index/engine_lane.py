@@ -1,0 +1,208 @@
+"""The engine lane: batches of engine records applied by the compiled kernel.
+
+`EngineLane.run` hands a batch to `kernel/src/lane.rs`, which decodes each
+record, rebuilds its chains and updates the namespace's block store with no
+Python per record or event, for the shapes real engines send most (int
+hashes, token ids, device or local offload tiers, one KV-cache group). It
+stops at the first record it cannot apply exactly as `Index.apply_engine`
+would; the caller applies that one through the Python path and calls `run`
+again after it. The Python path stays the reference: `Conductor(lane=False)`
+runs it alone, and tests/test_engine_lane.py holds the two equal.
+
+A context is what the kernel needs for one (instance, header set, dp rank):
+the owner's slot in its namespace's store and the facts that make the lane
+exact for it, checked here (`_context`) against the index as it is. The lane
+forgets an instance's contexts whenever the Python path applies one of its
+records, and all of them when the index's `epoch` moves (a restore, a
+resync, an instance removed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+
+from kvconductor.index.cache_groups import FULL_KINDS
+from kvconductor.index.namespace import NamespaceIndex, NamespaceKey, namespace_key
+from kvconductor.kernel import KERNEL
+from kvconductor.wire.errors import BadRecord
+from kvconductor.wire.media import TIER_NAMES, engine_tier
+from kvconductor.wire.records import Incoming, control_meta, engine_meta, header_map
+
+if TYPE_CHECKING:
+    from kvconductor.index.fleet import Index, InstanceState
+
+DONE = 0
+NEED_CONTEXT = 1
+PYTHON = 2
+_MAX_RANK = 1 << 16
+
+# (record, blocks applied, kv-seq messages missing) of each gap
+Gap = tuple[int, int, int]
+CtxOut = tuple[int, tuple[int, int, int], int, float]
+InstOut = tuple[str, float, list[tuple[int, int]]]
+RunOut = tuple[
+    int, int, int | None, float, list[tuple[str, int]], list[Gap], list[CtxOut], list[InstOut]
+]
+
+
+class _Kernel(Protocol):
+    """kernel/src/lane.rs `EngineLane`."""
+
+    def run(self, records: Sequence[Incoming], start: int, now: float) -> RunOut: ...
+
+    def add_context(
+        self,
+        id: int,
+        name: str,
+        store: object,
+        pending: object,
+        waiting: object,
+        children: object,
+        unresolved: object,
+        max_pending_age: float,
+        slot: int,
+        block_size: int,
+        seed: int,
+        max_blocks: int,
+        pool_mode: bool,
+        kind0: str | None,
+        rank: int,
+        last_seq: int | None,
+    ) -> None: ...
+
+    def forget(self, instance: bytes) -> list[int]: ...
+
+    def reset(self) -> None: ...
+
+
+class _Context(NamedTuple):
+    ns: NamespaceIndex
+    dirty_key: tuple[NamespaceKey, str, int]
+    source: str
+
+
+class Stop(NamedTuple):
+    at: int  # the record the lane stopped at (len(records): none)
+    python: bool  # that record is the Python path's (else: past the end)
+    gaps: list[Gap]
+
+
+class EngineLane:
+    def __init__(self, index: Index) -> None:
+        assert KERNEL is not None
+        self.index = index
+        self.kernel = cast(_Kernel, KERNEL.EngineLane(sorted(FULL_KINDS), engine_tier))
+        self.store_type = type(KERNEL.BlockStore(0, 0.0))
+        self.contexts: dict[int, _Context] = {}
+        self.next_id = 0
+        self.epoch = index.epoch
+
+    def run(self, records: Sequence[Incoming], start: int) -> Stop:
+        """Apply `records[start:]` until one the lane cannot (see the module doc)."""
+        index = self.index
+        if index.epoch != self.epoch:
+            self.kernel.reset()
+            self.contexts.clear()
+            self.epoch = index.epoch
+        gaps: list[Gap] = []
+        at = start
+        while True:
+            out = self.kernel.run(records, at, index.now)
+            at, code, rank = out[0], out[1], out[2]
+            self._flush(out)
+            gaps += out[5]
+            if code == NEED_CONTEXT and self._context(records[at], rank):
+                continue
+            return Stop(at, code != DONE, gaps)
+
+    def forget(self, key: bytes | str | None) -> None:
+        """The Python path applied a record of this instance."""
+        if isinstance(key, bytes):
+            for cid in self.kernel.forget(key):
+                del self.contexts[cid]
+
+    def _flush(self, out: RunOut) -> None:
+        """What the kernel changed beside the stores, as the Python path does it."""
+        index = self.index
+        index.now = out[3]
+        counters = index.counters
+        for name, value in out[4]:
+            counters[name] += value
+        applied = index.applied
+        dirty = index.dirty
+        for cid, blocks, stored, now in out[6]:
+            ctx = self.contexts[cid]
+            dirty.owners.add(ctx.dirty_key)
+            for tier, name in enumerate(TIER_NAMES):
+                if stored >> tier & 1:
+                    applied[(ctx.source, name)] += blocks[tier]
+            ctx.ns.now = now
+        for instance, last_ts, seqs in out[7]:
+            state = index.instances[instance]
+            state.last_event_ts = last_ts
+            for rank, seq in seqs:
+                state.last_seq[rank] = seq
+            dirty.instances.add(instance)
+            index.idle.pop(instance, None)
+
+    def _context(self, rec: Incoming, payload_rank: int | None) -> bool:
+        """A context for `rec` when the lane can apply its records exactly;
+        False: the Python path applies it."""
+        index = self.index
+        if not isinstance(rec.key, bytes):
+            return False
+        try:
+            instance = rec.key.decode("utf-8")
+            h = header_map(rec.headers)
+            if control_meta(h) is not None:
+                return False
+            meta = engine_meta(h)
+        except (BadRecord, UnicodeDecodeError):
+            return False
+        rank = payload_rank if payload_rank is not None else meta.dp_rank
+        state = index.instances.get(instance)
+        if state is None or not 0 <= rank <= _MAX_RANK:
+            return False
+        key = namespace_key(meta.tenant, meta.model, meta.block_size, None, meta.salt)
+        ns = index.namespaces.get(key)
+        if ns is None or not self._exact(state, ns, key):
+            return False
+        owner = ns.owners.get(instance, {}).get(rank)
+        if owner is None or owner.copies or owner.groups or owner.primary_block != ns.block_size:
+            return False
+        cid = self.next_id
+        self.next_id += 1
+        self.kernel.add_context(
+            cid,
+            instance,
+            ns.store,
+            ns.pending.entries,
+            ns.waiting,
+            ns.children,
+            ns.unresolved,
+            ns.pending.max_age_s,
+            owner.slot,
+            ns.block_size,
+            ns.seed,
+            index.limits.max_blocks_per_owner,
+            meta.offload_pool,
+            state.groups.get(0),
+            rank,
+            state.last_seq.get(rank),
+        )
+        self.contexts[cid] = _Context(ns, (key, instance, rank), meta.source)
+        return True
+
+    def _exact(self, state: InstanceState, ns: NamespaceIndex, key: NamespaceKey) -> bool:
+        """Whether the lane applies this instance's records in `ns` exactly:
+        the instance lives in that namespace only (removals name none), its
+        group 0 is of a full-attention kind or none, and the namespace keeps
+        no Dynamo hash map."""
+        kind0 = state.groups.get(0)
+        return (
+            state.namespaces == {key}
+            and (kind0 is None or kind0 in FULL_KINDS)
+            and ns.local_map is None
+            and isinstance(ns.store, self.store_type)
+        )

@@ -1,0 +1,1 @@
+"""`kvconductor dead-letters`: inspect and re-drive dead-lettered records (`tool`)."""
