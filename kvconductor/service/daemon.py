@@ -560,7 +560,14 @@ class Daemon:
             if stage_one is not None:
                 ended = await self._within_grace(stage_one, "repartitioning") and ended
             if ended:  # else the loop, left behind, may hold the lock
-                await self._within_grace(self._last_checkpoint(), "last snapshot")
+                try:
+                    await self._within_grace(self._last_checkpoint(), "last snapshot")
+                except KafkaError as exc:
+                    # Nothing is lost: a restart resumes from the last published
+                    # generation's offsets and reads the rest again.
+                    log.warning(
+                        "kafka unavailable: stopping without the last snapshot", error=str(exc)
+                    )
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise
