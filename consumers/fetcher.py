@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -186,10 +187,16 @@ class _Partition:
 
     __slots__ = ("answered_ms", "buffered", "fetch_at", "highwater", "lso", "position")
 
+    # Reads held per partition: with one waiting to be taken the next fetch
+    # still goes out, as aiokafka's does once a batch is handed out, so a
+    # partition's leader is heard from while the apply loop is held up
+    # (`/ready` tells a stuck index from a silent broker by it).
+    AHEAD = 2
+
     def __init__(self, position: int) -> None:
         self.position = position  # past the last record handed out
         self.fetch_at = position  # the next fetch's offset
-        self.buffered: Fetched | None = None  # with records not all handed out
+        self.buffered: deque[Fetched] = deque()  # reads not all handed out, in order
         self.highwater: int | None = None
         self.lso: int | None = None
         self.answered_ms: int | None = None  # when its leader last answered a fetch
@@ -279,7 +286,7 @@ class NativeFetcher:
         if st is None:
             return
         st.position = st.fetch_at = offset
-        st.buffered = None
+        st.buffered.clear()
         self._out_of_range.pop(tp, None)
 
     def position(self, tp: TopicPartition) -> int | None:
@@ -301,14 +308,14 @@ class NativeFetcher:
     def _new_generation(self) -> None:
         self.generation += 1
         for st in self.parts.values():
-            st.buffered = None
+            st.buffered.clear()
             st.fetch_at = st.position
 
     # --------------------------------------------------------------- fetching
 
     def ready(self) -> bool:
         """Whether records wait to be taken."""
-        return any(st.buffered is not None for st in self.parts.values())
+        return any(st.buffered for st in self.parts.values())
 
     async def fill(self, timeout_ms: int) -> None:
         """Wait up to `timeout_ms` for records to take (fewer if some wait
@@ -341,21 +348,20 @@ class NativeFetcher:
         parts: list[Fetched] = []
         starts: list[int] = []
         for tp, st in self.parts.items():
-            if st.buffered is None or tp not in assigned:
+            if not st.buffered or tp not in assigned:
                 continue
             tps.append(tp)
-            parts.append(st.buffered)
+            parts.append(st.buffered[0])  # a partition's next read only: its order holds
             starts.append(max(st.position, floor.get(tp, 0)))
         if not parts:
             return None
         merged = self._merge(parts, starts, limit)
         for p, after, _ in merged.through(0, len(merged)):
             self.parts[tps[p]].position = after
-        for tp, fetched in zip(tps, parts, strict=True):
+        for tp in tps:
             st = self.parts[tp]
-            if fetched.remaining(st.position) == 0:
-                st.position = max(st.position, fetched.next_offset)
-                st.buffered = None
+            while st.buffered and st.buffered[0].remaining(st.position) == 0:
+                st.position = max(st.position, st.buffered.popleft().next_offset)
         self._send()
         return NativeBatch(merged, tps) if len(merged) else None
 
@@ -396,7 +402,7 @@ class NativeFetcher:
         by_node: dict[int, list[tuple[TopicPartition, int]]] = {}
         stale = False
         for tp, st in self.parts.items():
-            if st.buffered is not None or tp in self._out_of_range:
+            if len(st.buffered) >= _Partition.AHEAD or tp in self._out_of_range:
                 continue
             node = cluster.leader_for_partition(tp)
             if node is None or node < 0:
@@ -454,7 +460,7 @@ class NativeFetcher:
             for partition, error_code, highwater, *data in partitions:
                 tp = TopicPartition(topic, partition)
                 st = self.parts.get(tp)
-                if st is None or st.buffered is not None or st.fetch_at != asked.get(tp):
+                if st is None or st.fetch_at != asked.get(tp):
                     continue  # sought elsewhere meanwhile
                 error = kafka_errors.for_code(error_code)
                 if error is kafka_errors.NoError:
@@ -503,10 +509,10 @@ class NativeFetcher:
                 offset=fetched.next_offset,
                 error=fetched.error,
             )
-        if len(fetched):
-            st.buffered = fetched
-        elif fetched.next_offset > st.position:
-            st.position = fetched.next_offset  # control batches, aborted ones
+        if len(fetched) or (st.buffered and fetched.next_offset > st.fetch_at):
+            st.buffered.append(fetched)  # one past control or aborted batches only: in turn
+        elif not st.buffered and fetched.next_offset > st.position:
+            st.position = fetched.next_offset
         st.fetch_at = fetched.next_offset
 
 

@@ -17,8 +17,11 @@ from aiokafka.client import AIOKafkaClient
 from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from consumers.fetcher import NativeFetcher, record_reader
-from kvconductor.core import Incoming
+from kvconductor.core import Conductor, Incoming
 from kvconductor.kernel import KERNEL
+from kvconductor.snapshots import state_fingerprint
+from tests.harness import daemon_config, engine_headers, produce, read_all, running, wait_for
+from tests.test_daemon_kafka import random_stream
 
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="needs the compiled kernel")
 
@@ -26,7 +29,7 @@ CODECS = ["none", "gzip", "snappy", "lz4", "zstd"]
 _CODEC_BITS = {"none": 0, "gzip": 1, "snappy": 2, "lz4": 3, "zstd": 4}
 PARTITIONS = 3
 
-Row = tuple[int, int, int, bytes | None, bytes | None, tuple[tuple[str, bytes | None], ...]]
+Row = tuple[Any, ...]  # partition, offset, timestamp, key, value, headers
 
 
 def _records(n: int, tag: str) -> list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]]:
@@ -238,3 +241,65 @@ def test_native_fetch_equals_aiokafka(kafka_bootstrap: str, codec: str) -> None:
         assert got == await _aiokafka_rows(kafka_bootstrap, topic, "read_committed")
 
     asyncio.run(main())
+
+
+@pytest.mark.kafka
+async def test_the_daemon_on_the_native_path(kafka_bootstrap: str) -> None:
+    """Compressed and transactional input, a poison record: the daemon on
+    the native path ends where an in-process index does, the poison
+    record dead-lettered; aiokafka's fetcher stays paused throughout."""
+    cfg = daemon_config(kafka_bootstrap, KVCONDUCTOR_KAFKA_FETCH_PATH="native")
+    engine, pool = random_stream(11, 200)
+    oracle = Conductor()
+    for key, value, headers in engine:
+        oracle.ingest_engine_record(key, headers, value, 1.0)
+    for key, value, headers in pool:
+        oracle.ingest_pool_record(key, headers, value, 1.0)
+    async with running(cfg) as daemon:
+        await wait_for(lambda: daemon.status == "running", 30, "consuming")
+        events = daemon.events
+        assert events is not None and events.fetcher is not None
+        producer = AIOKafkaProducer(
+            bootstrap_servers=kafka_bootstrap,
+            compression_type="lz4",
+            transactional_id=f"native-{uuid.uuid4().hex[:8]}",
+            enable_idempotence=True,
+        )
+        await producer.start()
+        try:
+            async with producer.transaction():
+                for key, value, headers in engine[:100]:
+                    await producer.send(
+                        cfg.kafka.engine_topic, value, key=key.encode(), headers=headers
+                    )
+            await producer.begin_transaction()
+            await producer.send(
+                cfg.kafka.engine_topic, b"\xc1aborted", key=b"a", headers=engine_headers()
+            )
+            await producer.abort_transaction()
+        finally:
+            await producer.stop()
+        await produce(
+            kafka_bootstrap, cfg.kafka.engine_topic, [("a", b"\xc1garbage", engine_headers())]
+        )
+        await produce(kafka_bootstrap, cfg.kafka.engine_topic, engine[100:])
+        await produce(kafka_bootstrap, cfg.kafka.pool_topic, pool)
+
+        def converged() -> bool:
+            return state_fingerprint(daemon.conductor.index) == state_fingerprint(oracle.index)
+
+        await wait_for(converged, 60, "the in-process index's state")
+        assert events.consumer.paused() == events.consumer.assignment()
+        dead: list[Any] = []
+
+        async def one_dead_letter() -> bool:
+            dead[:] = await read_all(kafka_bootstrap, cfg.kafka.dead_letter_topic)
+            return len(dead) >= 1
+
+        await wait_for(one_dead_letter, 60, "the poison record dead-lettered")
+        await wait_for(lambda: daemon.ready()[0], 60, "caught up")
+    assert len(dead) == 1
+    h = dict(dead[0].headers)
+    assert h["dlq-kind"] == b"undecodable"
+    assert h["dlq-source-topic"].decode() == cfg.kafka.engine_topic
+    assert dead[0].key == b"a" and dead[0].value == b"\xc1garbage"
