@@ -305,7 +305,14 @@ class EventConsumer:
                         self.max_records, self.applied_offsets, self.consumer.assignment()
                     )
                     if batch is not None:
-                        await self._apply_records(batch)
+                        try:
+                            await self._apply_records(batch)
+                        except BaseException:
+                            # What was handed out and not applied is read again.
+                            for tp in batch.tps:
+                                if tp in self.applied_offsets:
+                                    fetcher.seek(tp, self.applied_offsets[tp])
+                            raise
                         handled = len(batch)
             finally:
                 self.records_first.done()
