@@ -398,7 +398,7 @@ pub fn read_partition<E>(
 pub fn merge_by_timestamp(parts: &[&[i64]], limit: usize) -> Vec<(u32, u32)> {
     let total = parts.iter().map(|p| p.len()).sum::<usize>().min(limit);
     let mut out = Vec::with_capacity(total);
-    if let [only] = parts {
+    if parts.len() == 1 {
         out.extend((0..total as u32).map(|i| (0, i)));
         return out;
     }
