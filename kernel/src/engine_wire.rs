@@ -19,6 +19,38 @@ const MAX_GROUP_IDX: i128 = 1 << 16;
 /// Nesting that `skip` follows; deeper values go to the Python decoder.
 const MAX_DEPTH: u32 = 32;
 
+/// `bytes` as a str when they are UTF-8; ASCII (every name engines send)
+/// is told apart cheaply first.
+fn utf8(bytes: &[u8]) -> Option<&str> {
+    if bytes.is_ascii() {
+        // SAFETY: ASCII is UTF-8.
+        return Some(unsafe { std::str::from_utf8_unchecked(bytes) });
+    }
+    std::str::from_utf8(bytes).ok()
+}
+
+/// What an event's field is to the index.
+#[derive(Clone, Copy)]
+enum Field {
+    Hashes,
+    Parent,
+    Tokens,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    Extra,
+    GroupIdx,
+    Kind,
+    SlidingWindow,
+    /// A `str | None` the index does not keep.
+    IgnoredStr,
+    /// A salt or SGLang's metadata: it changes the blocks' keys (Python's unless nil).
+    Salted,
+    /// The tag, read first (a second one is a repeated key).
+    Type,
+}
+
 pub struct Batch<'a> {
     pub dp_rank: Option<u64>,
     pub events: Vec<Event<'a>>,
@@ -150,17 +182,20 @@ impl<'a> Rd<'a> {
     }
 
     fn str(&mut self) -> Option<&'a str> {
-        std::str::from_utf8(self.str_bytes()?).ok()
+        utf8(self.str_bytes()?)
     }
 
-    /// A map key: matched against the known (ASCII) names as bytes; any
-    /// other must still be a str for the Python decoder to take it.
-    fn key(&mut self, positions: &[&[u8]], map_only: &[&[u8]]) -> Option<&'a [u8]> {
+    /// A map key: the index of its field in `fields` (known ASCII names,
+    /// matched as bytes), None for another name, which must still be a str
+    /// for the Python decoder to take it (the outer None: it is not).
+    fn key(&mut self, fields: &[(&[u8], Field)]) -> Option<Option<usize>> {
         let key = self.str_bytes()?;
-        if positions.contains(&key) || map_only.contains(&key) || std::str::from_utf8(key).is_ok() {
-            return Some(key);
+        // Length and first byte tell every known name apart: one compare.
+        let i = fields.iter().position(|(k, _)| k.len() == key.len() && k.first() == key.first() && *k == key);
+        if i.is_none() {
+            utf8(key)?;
         }
-        None
+        Some(i)
     }
 
     fn float(&mut self) -> Option<f64> {
@@ -244,11 +279,15 @@ impl<'a> Rd<'a> {
             return Some(None);
         }
         let n = self.array_len()?;
-        let mut out = Vec::with_capacity(n * 4);
-        for _ in 0..n {
-            out.extend_from_slice(&crate::msgpack_u32(&mut self.b)?.to_le_bytes());
+        if n == 0 {
+            return Some(None);
         }
-        Some(if out.is_empty() { None } else { Some(out) })
+        // Written in place, not pushed: a push of 4 bytes is a copy call each.
+        let mut out = vec![0u8; n * 4];
+        for id in out.chunks_exact_mut(4) {
+            id.copy_from_slice(&crate::msgpack_u32(&mut self.b)?.to_le_bytes());
+        }
+        Some(Some(out))
     }
 
     fn extra(&mut self) -> Option<Extra> {
@@ -295,74 +334,87 @@ fn new_stored<'a>() -> Stored<'a> {
     }
 }
 
-/// One `BlockStored` field, by its map key or array position's name.
-fn stored_field<'a>(rd: &mut Rd<'a>, ev: &mut Stored<'a>, key: &[u8]) -> Option<()> {
-    match key {
-        b"block_hashes" => ev.hashes = rd.hashes()?,
-        b"parent_block_hash" => ev.parent = rd.opt(Rd::hash)?,
-        b"token_ids" => ev.tokens = rd.tokens()?,
-        b"block_size" => ev.block_size = rd.opt(Rd::int)?,
-        b"lora_id" => ev.lora_id = rd.opt(Rd::int)?,
-        b"medium" => ev.medium = rd.name()?,
-        b"lora_name" => ev.lora_name = rd.name()?,
-        b"extra_keys" => ev.extra = rd.extra()?,
-        b"group_idx" => ev.group_idx = rd.group_idx()?,
-        b"kv_cache_spec_kind" => ev.kind = rd.opt(Rd::str)?,
-        b"kv_cache_spec_sliding_window" => drop(rd.opt(Rd::int)?),
-        b"locality" | b"ownership" | b"session_id" => rd.ignored_str()?,
-        // A salt or SGLang's metadata changes the blocks' keys: Python's.
-        b"cache_salt" | b"metadata" => {
+/// One `BlockStored` field.
+fn stored_field<'a>(rd: &mut Rd<'a>, ev: &mut Stored<'a>, field: Field) -> Option<()> {
+    match field {
+        Field::Hashes => ev.hashes = rd.hashes()?,
+        Field::Parent => ev.parent = rd.opt(Rd::hash)?,
+        Field::Tokens => ev.tokens = rd.tokens()?,
+        Field::BlockSize => ev.block_size = rd.opt(Rd::int)?,
+        Field::LoraId => ev.lora_id = rd.opt(Rd::int)?,
+        Field::Medium => ev.medium = rd.name()?,
+        Field::LoraName => ev.lora_name = rd.name()?,
+        Field::Extra => ev.extra = rd.extra()?,
+        Field::GroupIdx => ev.group_idx = rd.group_idx()?,
+        Field::Kind => ev.kind = rd.opt(Rd::str)?,
+        Field::SlidingWindow => drop(rd.opt(Rd::int)?),
+        Field::IgnoredStr => rd.ignored_str()?,
+        Field::Salted => {
             if !rd.nil() {
                 return None;
             }
         }
+        Field::Type => rd.skip(1)?,
+    }
+    Some(())
+}
+
+fn removed_field<'a>(rd: &mut Rd<'a>, ev: &mut Removed<'a>, field: Field) -> Option<()> {
+    match field {
+        Field::Hashes => ev.hashes = rd.hashes()?,
+        Field::Medium => ev.medium = rd.name()?,
+        Field::GroupIdx => ev.group_idx = rd.group_idx()?,
+        Field::IgnoredStr => rd.ignored_str()?,
         _ => rd.skip(1)?,
     }
     Some(())
 }
 
-fn removed_field<'a>(rd: &mut Rd<'a>, ev: &mut Removed<'a>, key: &[u8]) -> Option<()> {
-    match key {
-        b"block_hashes" => ev.hashes = rd.hashes()?,
-        b"medium" => ev.medium = rd.name()?,
-        b"group_idx" => ev.group_idx = rd.group_idx()?,
-        b"locality" | b"ownership" => rd.ignored_str()?,
-        _ => rd.skip(1)?,
+/// A known key of a map event (its index in the event's fields) seen once:
+/// a repeated key is the Python decoder's.
+fn once(seen: &mut u32, i: usize) -> Option<()> {
+    let bit = 1u32 << i;
+    if *seen & bit != 0 {
+        return None;
     }
+    *seen |= bit;
     Some(())
 }
 
-/// Known keys of a map event (`positions` then `map_only`), each once: a
-/// repeated key is the Python decoder's.
-fn once(seen: &mut u32, key: &[u8], positions: &[&[u8]], map_only: &[&[u8]]) -> Option<()> {
-    if let Some(i) = positions.iter().chain(map_only).position(|k| *k == key) {
-        let bit = 1u32 << i;
-        if *seen & bit != 0 {
-            return None;
-        }
-        *seen |= bit;
-    }
-    Some(())
-}
-
-/// Array-form positions after the tag (`engine_wire.ARRAY_FIELDS`); the map
-/// form's keys are these and `*_MAP_ONLY`.
-const STORED_POSITIONS: &[&[u8]] = &[
-    b"block_hashes",
-    b"parent_block_hash",
-    b"token_ids",
-    b"block_size",
-    b"lora_id",
-    b"medium",
-    b"lora_name",
-    b"extra_keys",
-    b"group_idx",
-    b"kv_cache_spec_kind",
-    b"kv_cache_spec_sliding_window",
+/// The map form's keys: first the array form's positions after the tag
+/// (`engine_wire.ARRAY_FIELDS`: `*_POSITIONS` of them), then the map-only ones.
+const STORED_FIELDS: &[(&[u8], Field)] = &[
+    (b"block_hashes", Field::Hashes),
+    (b"parent_block_hash", Field::Parent),
+    (b"token_ids", Field::Tokens),
+    (b"block_size", Field::BlockSize),
+    (b"lora_id", Field::LoraId),
+    (b"medium", Field::Medium),
+    (b"lora_name", Field::LoraName),
+    (b"extra_keys", Field::Extra),
+    (b"group_idx", Field::GroupIdx),
+    (b"kv_cache_spec_kind", Field::Kind),
+    (b"kv_cache_spec_sliding_window", Field::SlidingWindow),
+    (b"locality", Field::IgnoredStr),
+    (b"ownership", Field::IgnoredStr),
+    (b"session_id", Field::IgnoredStr),
+    (b"cache_salt", Field::Salted),
+    (b"metadata", Field::Salted),
+    (b"type", Field::Type),
 ];
-const STORED_MAP_ONLY: &[&[u8]] = &[b"locality", b"ownership", b"session_id", b"cache_salt", b"metadata", b"type"];
-const REMOVED_POSITIONS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx"];
-const REMOVED_MAP_ONLY: &[&[u8]] = &[b"locality", b"ownership", b"type"];
+const STORED_POSITIONS: usize = 11;
+const REMOVED_FIELDS: &[(&[u8], Field)] = &[
+    (b"block_hashes", Field::Hashes),
+    (b"medium", Field::Medium),
+    (b"group_idx", Field::GroupIdx),
+    (b"locality", Field::IgnoredStr),
+    (b"ownership", Field::IgnoredStr),
+    (b"type", Field::Type),
+];
+const REMOVED_POSITIONS: usize = 3;
+/// The tag's index in both field lists.
+const STORED_TYPE: usize = STORED_FIELDS.len() - 1;
+const REMOVED_TYPE: usize = REMOVED_FIELDS.len() - 1;
 
 fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
     let n = rd.map_len()?;
@@ -370,35 +422,40 @@ fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
     if n == 0 || rd.str_bytes()? != b"type" {
         return None;
     }
-    let tag = rd.str()?;
     let mut seen = 0u32;
-    let mut has_hashes = false;
-    let event = match tag {
-        "BlockStored" => {
+    // The hashes are the first field of both.
+    let event = match rd.str_bytes()? {
+        b"BlockStored" => {
             let mut ev = new_stored();
-            once(&mut seen, b"type", STORED_POSITIONS, STORED_MAP_ONLY)?;
+            once(&mut seen, STORED_TYPE)?;
             for _ in 1..n {
-                let key = rd.key(STORED_POSITIONS, STORED_MAP_ONLY)?;
-                once(&mut seen, key, STORED_POSITIONS, STORED_MAP_ONLY)?;
-                has_hashes |= key == b"block_hashes";
-                stored_field(rd, &mut ev, key)?;
+                match rd.key(STORED_FIELDS)? {
+                    Some(i) => {
+                        once(&mut seen, i)?;
+                        stored_field(rd, &mut ev, STORED_FIELDS[i].1)?;
+                    }
+                    None => rd.skip(1)?,
+                }
             }
             Event::Stored(ev)
         }
-        "BlockRemoved" => {
+        b"BlockRemoved" => {
             let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
-            once(&mut seen, b"type", REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
+            once(&mut seen, REMOVED_TYPE)?;
             for _ in 1..n {
-                let key = rd.key(REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
-                once(&mut seen, key, REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
-                has_hashes |= key == b"block_hashes";
-                removed_field(rd, &mut ev, key)?;
+                match rd.key(REMOVED_FIELDS)? {
+                    Some(i) => {
+                        once(&mut seen, i)?;
+                        removed_field(rd, &mut ev, REMOVED_FIELDS[i].1)?;
+                    }
+                    None => rd.skip(1)?,
+                }
             }
             Event::Removed(ev)
         }
         _ => return None,
     };
-    has_hashes.then_some(event)
+    (seen & 1 != 0).then_some(event)
 }
 
 fn array_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
@@ -406,19 +463,19 @@ fn array_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
     if n < 2 {
         return None; // no hashes, or AllBlocksCleared
     }
-    match rd.str()? {
-        "BlockStored" if n <= 1 + STORED_POSITIONS.len() => {
+    match rd.str_bytes()? {
+        b"BlockStored" if n <= 1 + STORED_POSITIONS => {
             let mut ev = new_stored();
-            for key in &STORED_POSITIONS[..n - 1] {
+            for &(_, field) in &STORED_FIELDS[..n - 1] {
                 // Index 7 may be SGLang's metadata map: the Python decoder's.
-                stored_field(rd, &mut ev, key)?;
+                stored_field(rd, &mut ev, field)?;
             }
             Some(Event::Stored(ev))
         }
-        "BlockRemoved" if n <= 1 + REMOVED_POSITIONS.len() => {
+        b"BlockRemoved" if n <= 1 + REMOVED_POSITIONS => {
             let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
-            for key in &REMOVED_POSITIONS[..n - 1] {
-                removed_field(rd, &mut ev, key)?;
+            for &(_, field) in &REMOVED_FIELDS[..n - 1] {
+                removed_field(rd, &mut ev, field)?;
             }
             Some(Event::Removed(ev))
         }
