@@ -92,11 +92,39 @@ pub struct Removed<'a> {
     pub group_idx: Option<u32>,
 }
 
-struct Rd<'a> {
+struct Rd<'a, 's> {
     b: &'a [u8],
+    spare: &'s mut Spare,
 }
 
-impl<'a> Rd<'a> {
+/// The buffers of batches decoded before, for the next (`decode_with`): a
+/// record's events then cost no allocation each.
+#[derive(Default)]
+pub struct Spare {
+    hashes: Vec<Vec<u64>>,
+    tokens: Vec<Vec<u8>>,
+    events: Vec<Event<'static>>,
+}
+
+impl Spare {
+    /// Takes back a batch's buffers.
+    pub fn recycle(&mut self, batch: Batch<'_>) {
+        let mut events = batch.events;
+        for ev in events.drain(..) {
+            match ev {
+                Event::Stored(s) => {
+                    self.hashes.push(s.hashes);
+                    self.tokens.extend(s.tokens);
+                }
+                Event::Removed(r) => self.hashes.push(r.hashes),
+            }
+        }
+        // Empty, so of any lifetime: collected in place, its allocation kept.
+        self.events = events.into_iter().map(|_| unreachable!()).collect();
+    }
+}
+
+impl<'a> Rd<'a, '_> {
     fn peek(&self) -> Option<u8> {
         self.b.first().copied()
     }
@@ -264,7 +292,12 @@ impl<'a> Rd<'a> {
 
     fn hashes(&mut self) -> Option<Vec<u64>> {
         let n = self.array_len()?;
-        (0..n).map(|_| self.hash()).collect()
+        let mut out = self.spare.hashes.pop().unwrap_or_default();
+        out.clear();
+        for _ in 0..n {
+            out.push(self.hash()?);
+        }
+        Some(out)
     }
 
     fn name(&mut self) -> Option<Option<&'a str>> {
@@ -283,7 +316,9 @@ impl<'a> Rd<'a> {
             return Some(None);
         }
         // Written in place, not pushed: a push of 4 bytes is a copy call each.
-        let mut out = vec![0u8; n * 4];
+        let mut out = self.spare.tokens.pop().unwrap_or_default();
+        out.clear();
+        out.resize(n * 4, 0);
         for id in out.chunks_exact_mut(4) {
             id.copy_from_slice(&crate::msgpack_u32(&mut self.b)?.to_le_bytes());
         }
@@ -335,7 +370,7 @@ fn new_stored<'a>() -> Stored<'a> {
 }
 
 /// One `BlockStored` field.
-fn stored_field<'a>(rd: &mut Rd<'a>, ev: &mut Stored<'a>, field: Field) -> Option<()> {
+fn stored_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Stored<'a>, field: Field) -> Option<()> {
     match field {
         Field::Hashes => ev.hashes = rd.hashes()?,
         Field::Parent => ev.parent = rd.opt(Rd::hash)?,
@@ -359,7 +394,7 @@ fn stored_field<'a>(rd: &mut Rd<'a>, ev: &mut Stored<'a>, field: Field) -> Optio
     Some(())
 }
 
-fn removed_field<'a>(rd: &mut Rd<'a>, ev: &mut Removed<'a>, field: Field) -> Option<()> {
+fn removed_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Removed<'a>, field: Field) -> Option<()> {
     match field {
         Field::Hashes => ev.hashes = rd.hashes()?,
         Field::Medium => ev.medium = rd.name()?,
@@ -416,7 +451,7 @@ const REMOVED_POSITIONS: usize = 3;
 const STORED_TYPE: usize = STORED_FIELDS.len() - 1;
 const REMOVED_TYPE: usize = REMOVED_FIELDS.len() - 1;
 
-fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
+fn map_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
     let n = rd.map_len()?;
     // The tag first: how every engine writes it.
     if n == 0 || rd.str_bytes()? != b"type" {
@@ -458,7 +493,7 @@ fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
     (seen & 1 != 0).then_some(event)
 }
 
-fn array_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
+fn array_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
     let n = rd.array_len()?;
     if n < 2 {
         return None; // no hashes, or AllBlocksCleared
@@ -484,15 +519,22 @@ fn array_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
 }
 
 /// The payload, when it is in the subset this module reads (see the module doc).
+#[cfg(test)]
 pub fn decode(payload: &[u8]) -> Option<Batch<'_>> {
-    let mut rd = Rd { b: payload };
+    decode_with(payload, &mut Spare::default())
+}
+
+/// `decode`, in buffers taken from `spare` (given back by `Spare::recycle`).
+pub fn decode_with<'a>(payload: &'a [u8], spare: &mut Spare) -> Option<Batch<'a>> {
+    let mut events = std::mem::take(&mut spare.events).into_iter().map(|_| unreachable!()).collect::<Vec<Event<'a>>>();
+    let mut rd = Rd { b: payload, spare };
     let len = rd.array_len()?;
     if !(2..=3).contains(&len) {
         return None;
     }
     rd.float()?;
     let n = rd.array_len()?;
-    let mut events = Vec::with_capacity(n);
+    events.reserve(n);
     for _ in 0..n {
         let event = match rd.peek()? {
             0x80..=0x8f | 0xde | 0xdf => map_event(&mut rd)?,

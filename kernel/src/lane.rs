@@ -116,6 +116,7 @@ pub struct EngineLane {
     miss: Option<(Vec<u8>, Vec<u8>)>,
     sig: Vec<u8>,
     changes: Changes,
+    spare: engine_wire::Spare,
     /// A store's identities, computed as it is applied.
     idents: Vec<u64>,
     touched: Vec<usize>,
@@ -576,6 +577,7 @@ impl EngineLane {
             miss: None,
             sig: Vec::new(),
             changes: Changes::default(),
+            spare: engine_wire::Spare::default(),
             idents: Vec::new(),
             touched: Vec::new(),
             counters: [0; 5],
@@ -600,7 +602,7 @@ impl EngineLane {
             }
             let item = records.get_item(i)?;
             let Some(rec) = read_record(&item, &mut sig)? else { break (i, PYTHON, None) };
-            let Some(batch) = engine_wire::decode(rec.payload) else { break (i, PYTHON, None) };
+            let Some(batch) = engine_wire::decode_with(rec.payload, &mut self.spare) else { break (i, PYTHON, None) };
             match batch.dp_rank {
                 Some(r) => {
                     sig.push(1);
@@ -634,6 +636,7 @@ impl EngineLane {
             let Some(done) = self.apply(py, c, &rec, &batch.events, &tiers, &mut now)? else {
                 break (i, PYTHON, None);
             };
+            self.spare.recycle(batch);
             let missing = self.check_seq(rec.key, rank, rec.seq, now);
             if missing != 0 {
                 self.gaps.push((i, done, missing));
