@@ -214,12 +214,15 @@ impl<'a> Rd<'a, '_> {
     }
 
     /// A map key: the index of its field in `fields` (known ASCII names,
-    /// matched as bytes), None for another name, which must still be a str
-    /// for the Python decoder to take it (the outer None: it is not).
-    fn key(&mut self, fields: &[(&[u8], Field)]) -> Option<Option<usize>> {
+    /// matched as bytes, from `next` on: engines write them in order), None
+    /// for another name, which must still be a str for the Python decoder
+    /// to take it (the outer None: it is not).
+    fn key(&mut self, fields: &[(&[u8], Field)], next: usize) -> Option<Option<usize>> {
         let key = self.str_bytes()?;
         // Length and first byte tell every known name apart: one compare.
-        let i = fields.iter().position(|(k, _)| k.len() == key.len() && k.first() == key.first() && *k == key);
+        let is = |(k, _): &(&[u8], Field)| k.len() == key.len() && k.first() == key.first() && *k == key;
+        let next = next.min(fields.len());
+        let i = fields[next..].iter().position(is).map(|i| i + next).or_else(|| fields[..next].iter().position(is));
         if i.is_none() {
             utf8(key)?;
         }
@@ -319,9 +322,27 @@ impl<'a> Rd<'a, '_> {
         let mut out = self.spare.tokens.pop().unwrap_or_default();
         out.clear();
         out.resize(n * 4, 0);
+        let mut b = self.b;
         for id in out.chunks_exact_mut(4) {
-            id.copy_from_slice(&crate::msgpack_u32(&mut self.b)?.to_le_bytes());
+            // The encodings of a vocabulary's ids first, inline.
+            let v = match *b {
+                [m @ 0..=0x7f, ref rest @ ..] => {
+                    b = rest;
+                    u32::from(m)
+                }
+                [0xcc, v, ref rest @ ..] => {
+                    b = rest;
+                    u32::from(v)
+                }
+                [0xcd, hi, lo, ref rest @ ..] => {
+                    b = rest;
+                    u32::from(u16::from_be_bytes([hi, lo]))
+                }
+                _ => crate::msgpack_u32(&mut b)?,
+            };
+            id.copy_from_slice(&v.to_le_bytes());
         }
+        self.b = b;
         Some(Some(out))
     }
 
@@ -463,10 +484,12 @@ fn map_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
         b"BlockStored" => {
             let mut ev = new_stored();
             once(&mut seen, STORED_TYPE)?;
+            let mut next = 0;
             for _ in 1..n {
-                match rd.key(STORED_FIELDS)? {
+                match rd.key(STORED_FIELDS, next)? {
                     Some(i) => {
                         once(&mut seen, i)?;
+                        next = i + 1;
                         stored_field(rd, &mut ev, STORED_FIELDS[i].1)?;
                     }
                     None => rd.skip(1)?,
@@ -477,10 +500,12 @@ fn map_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
         b"BlockRemoved" => {
             let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
             once(&mut seen, REMOVED_TYPE)?;
+            let mut next = 0;
             for _ in 1..n {
-                match rd.key(REMOVED_FIELDS)? {
+                match rd.key(REMOVED_FIELDS, next)? {
                     Some(i) => {
                         once(&mut seen, i)?;
+                        next = i + 1;
                         removed_field(rd, &mut ev, REMOVED_FIELDS[i].1)?;
                     }
                     None => rd.skip(1)?,
