@@ -472,7 +472,25 @@ const REMOVED_POSITIONS: usize = 3;
 const STORED_TYPE: usize = STORED_FIELDS.len() - 1;
 const REMOVED_TYPE: usize = REMOVED_FIELDS.len() - 1;
 
-fn map_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
+/// A new store or removal at the end of `events`, filled there (an event is
+/// a few hundred bytes: moved from a local, each was a copy call).
+fn push_stored<'a, 'e>(events: &'e mut Vec<Event<'a>>) -> &'e mut Stored<'a> {
+    events.push(Event::Stored(new_stored()));
+    match events.last_mut() {
+        Some(Event::Stored(s)) => s,
+        _ => unreachable!("just pushed"),
+    }
+}
+
+fn push_removed<'a, 'e>(events: &'e mut Vec<Event<'a>>) -> &'e mut Removed<'a> {
+    events.push(Event::Removed(Removed { hashes: Vec::new(), medium: None, group_idx: None }));
+    match events.last_mut() {
+        Some(Event::Removed(r)) => r,
+        _ => unreachable!("just pushed"),
+    }
+}
+
+fn map_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()> {
     let n = rd.map_len()?;
     // The tag first: how every engine writes it.
     if n == 0 || rd.str_bytes()? != b"type" {
@@ -480,9 +498,9 @@ fn map_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
     }
     let mut seen = 0u32;
     // The hashes are the first field of both.
-    let event = match rd.str_bytes()? {
+    match rd.str_bytes()? {
         b"BlockStored" => {
-            let mut ev = new_stored();
+            let ev = push_stored(events);
             once(&mut seen, STORED_TYPE)?;
             let mut next = 0;
             for _ in 1..n {
@@ -490,15 +508,14 @@ fn map_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
                     Some(i) => {
                         once(&mut seen, i)?;
                         next = i + 1;
-                        stored_field(rd, &mut ev, STORED_FIELDS[i].1)?;
+                        stored_field(rd, ev, STORED_FIELDS[i].1)?;
                     }
                     None => rd.skip(1)?,
                 }
             }
-            Event::Stored(ev)
         }
         b"BlockRemoved" => {
-            let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
+            let ev = push_removed(events);
             once(&mut seen, REMOVED_TYPE)?;
             let mut next = 0;
             for _ in 1..n {
@@ -506,38 +523,37 @@ fn map_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
                     Some(i) => {
                         once(&mut seen, i)?;
                         next = i + 1;
-                        removed_field(rd, &mut ev, REMOVED_FIELDS[i].1)?;
+                        removed_field(rd, ev, REMOVED_FIELDS[i].1)?;
                     }
                     None => rd.skip(1)?,
                 }
             }
-            Event::Removed(ev)
         }
         _ => return None,
-    };
-    (seen & 1 != 0).then_some(event)
+    }
+    (seen & 1 != 0).then_some(())
 }
 
-fn array_event<'a>(rd: &mut Rd<'a, '_>) -> Option<Event<'a>> {
+fn array_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()> {
     let n = rd.array_len()?;
     if n < 2 {
         return None; // no hashes, or AllBlocksCleared
     }
     match rd.str_bytes()? {
         b"BlockStored" if n <= 1 + STORED_POSITIONS => {
-            let mut ev = new_stored();
+            let ev = push_stored(events);
             for &(_, field) in &STORED_FIELDS[..n - 1] {
                 // Index 7 may be SGLang's metadata map: the Python decoder's.
-                stored_field(rd, &mut ev, field)?;
+                stored_field(rd, ev, field)?;
             }
-            Some(Event::Stored(ev))
+            Some(())
         }
         b"BlockRemoved" if n <= 1 + REMOVED_POSITIONS => {
-            let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
+            let ev = push_removed(events);
             for &(_, field) in &REMOVED_FIELDS[..n - 1] {
-                removed_field(rd, &mut ev, field)?;
+                removed_field(rd, ev, field)?;
             }
-            Some(Event::Removed(ev))
+            Some(())
         }
         _ => None,
     }
@@ -561,12 +577,11 @@ pub fn decode_with<'a>(payload: &'a [u8], spare: &mut Spare) -> Option<Batch<'a>
     let n = rd.array_len()?;
     events.reserve(n);
     for _ in 0..n {
-        let event = match rd.peek()? {
-            0x80..=0x8f | 0xde | 0xdf => map_event(&mut rd)?,
-            0x90..=0x9f | 0xdc | 0xdd => array_event(&mut rd)?,
+        match rd.peek()? {
+            0x80..=0x8f | 0xde | 0xdf => map_event(&mut rd, &mut events)?,
+            0x90..=0x9f | 0xdc | 0xdd => array_event(&mut rd, &mut events)?,
             _ => return None,
-        };
-        events.push(event);
+        }
     }
     let dp_rank = if len == 3 { rd.opt(|r| u64::try_from(r.int()?).ok())? } else { None };
     rd.b.is_empty().then_some(Batch { dp_rank, events })
