@@ -288,6 +288,17 @@ impl<S: Slot> Tables<S> {
         (&mut table.slots[i], found)
     }
 
+    /// `f` on `key`'s slot, when it is there, in one probe; the slot is
+    /// taken out when `f` says so (it may leave it empty then).
+    pub(crate) fn change(&mut self, key: u64, f: impl FnOnce(&mut S) -> bool) {
+        let Some((t, i)) = self.position(key) else { return };
+        let table = &mut self.tables[t];
+        if f(&mut table.slots[i]) {
+            table.remove_at(i, &self.hasher);
+            self.len -= 1;
+        }
+    }
+
     /// Takes `key`'s slot out; what it held.
     pub(crate) fn remove(&mut self, key: u64) -> Option<S> {
         let (t, i) = self.position(key)?;
@@ -365,15 +376,10 @@ impl CountMap {
     }
 
     fn change(&mut self, key: u64, f: impl FnOnce(u64) -> u64) {
-        let Some(slot) = self.slots.get_mut(key) else {
-            return;
-        };
-        let v = f(slot.1);
-        if v != 0 {
-            slot.1 = v;
-        } else {
-            self.slots.remove(key);
-        }
+        self.slots.change(key, |slot| {
+            slot.1 = f(slot.1);
+            slot.1 == 0
+        });
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {

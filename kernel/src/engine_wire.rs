@@ -19,6 +19,38 @@ const MAX_GROUP_IDX: i128 = 1 << 16;
 /// Nesting that `skip` follows; deeper values go to the Python decoder.
 const MAX_DEPTH: u32 = 32;
 
+/// `bytes` as a str when they are UTF-8; ASCII (every name engines send)
+/// is told apart cheaply first.
+fn utf8(bytes: &[u8]) -> Option<&str> {
+    if bytes.is_ascii() {
+        // SAFETY: ASCII is UTF-8.
+        return Some(unsafe { std::str::from_utf8_unchecked(bytes) });
+    }
+    std::str::from_utf8(bytes).ok()
+}
+
+/// What an event's field is to the index.
+#[derive(Clone, Copy)]
+enum Field {
+    Hashes,
+    Parent,
+    Tokens,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    Extra,
+    GroupIdx,
+    Kind,
+    SlidingWindow,
+    /// A `str | None` the index does not keep.
+    IgnoredStr,
+    /// A salt or SGLang's metadata: it changes the blocks' keys (Python's unless nil).
+    Salted,
+    /// The tag, read first (a second one is a repeated key).
+    Type,
+}
+
 pub struct Batch<'a> {
     pub dp_rank: Option<u64>,
     pub events: Vec<Event<'a>>,
@@ -60,11 +92,39 @@ pub struct Removed<'a> {
     pub group_idx: Option<u32>,
 }
 
-struct Rd<'a> {
+struct Rd<'a, 's> {
     b: &'a [u8],
+    spare: &'s mut Spare,
 }
 
-impl<'a> Rd<'a> {
+/// The buffers of batches decoded before, for the next (`decode_with`): a
+/// record's events then cost no allocation each.
+#[derive(Default)]
+pub struct Spare {
+    hashes: Vec<Vec<u64>>,
+    tokens: Vec<Vec<u8>>,
+    events: Vec<Event<'static>>,
+}
+
+impl Spare {
+    /// Takes back a batch's buffers.
+    pub fn recycle(&mut self, batch: Batch<'_>) {
+        let mut events = batch.events;
+        for ev in events.drain(..) {
+            match ev {
+                Event::Stored(s) => {
+                    self.hashes.push(s.hashes);
+                    self.tokens.extend(s.tokens);
+                }
+                Event::Removed(r) => self.hashes.push(r.hashes),
+            }
+        }
+        // Empty, so of any lifetime: collected in place, its allocation kept.
+        self.events = events.into_iter().map(|_| unreachable!()).collect();
+    }
+}
+
+impl<'a> Rd<'a, '_> {
     fn peek(&self) -> Option<u8> {
         self.b.first().copied()
     }
@@ -150,17 +210,23 @@ impl<'a> Rd<'a> {
     }
 
     fn str(&mut self) -> Option<&'a str> {
-        std::str::from_utf8(self.str_bytes()?).ok()
+        utf8(self.str_bytes()?)
     }
 
-    /// A map key: matched against the known (ASCII) names as bytes; any
-    /// other must still be a str for the Python decoder to take it.
-    fn key(&mut self, positions: &[&[u8]], map_only: &[&[u8]]) -> Option<&'a [u8]> {
+    /// A map key: the index of its field in `fields` (known ASCII names,
+    /// matched as bytes, from `next` on: engines write them in order), None
+    /// for another name, which must still be a str for the Python decoder
+    /// to take it (the outer None: it is not).
+    fn key(&mut self, fields: &[(&[u8], Field)], next: usize) -> Option<Option<usize>> {
         let key = self.str_bytes()?;
-        if positions.contains(&key) || map_only.contains(&key) || std::str::from_utf8(key).is_ok() {
-            return Some(key);
+        // Length and first byte tell every known name apart: one compare.
+        let is = |(k, _): &(&[u8], Field)| k.len() == key.len() && k.first() == key.first() && *k == key;
+        let next = next.min(fields.len());
+        let i = fields[next..].iter().position(is).map(|i| i + next).or_else(|| fields[..next].iter().position(is));
+        if i.is_none() {
+            utf8(key)?;
         }
-        None
+        Some(i)
     }
 
     fn float(&mut self) -> Option<f64> {
@@ -229,7 +295,12 @@ impl<'a> Rd<'a> {
 
     fn hashes(&mut self) -> Option<Vec<u64>> {
         let n = self.array_len()?;
-        (0..n).map(|_| self.hash()).collect()
+        let mut out = self.spare.hashes.pop().unwrap_or_default();
+        out.clear();
+        for _ in 0..n {
+            out.push(self.hash()?);
+        }
+        Some(out)
     }
 
     fn name(&mut self) -> Option<Option<&'a str>> {
@@ -244,11 +315,35 @@ impl<'a> Rd<'a> {
             return Some(None);
         }
         let n = self.array_len()?;
-        let mut out = Vec::with_capacity(n * 4);
-        for _ in 0..n {
-            out.extend_from_slice(&crate::msgpack_u32(&mut self.b)?.to_le_bytes());
+        if n == 0 {
+            return Some(None);
         }
-        Some(if out.is_empty() { None } else { Some(out) })
+        // Written in place, not pushed: a push of 4 bytes is a copy call each.
+        let mut out = self.spare.tokens.pop().unwrap_or_default();
+        out.clear();
+        out.resize(n * 4, 0);
+        let mut b = self.b;
+        for id in out.chunks_exact_mut(4) {
+            // The encodings of a vocabulary's ids first, inline.
+            let v = match *b {
+                [m @ 0..=0x7f, ref rest @ ..] => {
+                    b = rest;
+                    u32::from(m)
+                }
+                [0xcc, v, ref rest @ ..] => {
+                    b = rest;
+                    u32::from(v)
+                }
+                [0xcd, hi, lo, ref rest @ ..] => {
+                    b = rest;
+                    u32::from(u16::from_be_bytes([hi, lo]))
+                }
+                _ => crate::msgpack_u32(&mut b)?,
+            };
+            id.copy_from_slice(&v.to_le_bytes());
+        }
+        self.b = b;
+        Some(Some(out))
     }
 
     fn extra(&mut self) -> Option<Extra> {
@@ -295,154 +390,198 @@ fn new_stored<'a>() -> Stored<'a> {
     }
 }
 
-/// One `BlockStored` field, by its map key or array position's name.
-fn stored_field<'a>(rd: &mut Rd<'a>, ev: &mut Stored<'a>, key: &[u8]) -> Option<()> {
-    match key {
-        b"block_hashes" => ev.hashes = rd.hashes()?,
-        b"parent_block_hash" => ev.parent = rd.opt(Rd::hash)?,
-        b"token_ids" => ev.tokens = rd.tokens()?,
-        b"block_size" => ev.block_size = rd.opt(Rd::int)?,
-        b"lora_id" => ev.lora_id = rd.opt(Rd::int)?,
-        b"medium" => ev.medium = rd.name()?,
-        b"lora_name" => ev.lora_name = rd.name()?,
-        b"extra_keys" => ev.extra = rd.extra()?,
-        b"group_idx" => ev.group_idx = rd.group_idx()?,
-        b"kv_cache_spec_kind" => ev.kind = rd.opt(Rd::str)?,
-        b"kv_cache_spec_sliding_window" => drop(rd.opt(Rd::int)?),
-        b"locality" | b"ownership" | b"session_id" => rd.ignored_str()?,
-        // A salt or SGLang's metadata changes the blocks' keys: Python's.
-        b"cache_salt" | b"metadata" => {
+/// One `BlockStored` field.
+fn stored_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Stored<'a>, field: Field) -> Option<()> {
+    match field {
+        Field::Hashes => ev.hashes = rd.hashes()?,
+        Field::Parent => ev.parent = rd.opt(Rd::hash)?,
+        Field::Tokens => ev.tokens = rd.tokens()?,
+        Field::BlockSize => ev.block_size = rd.opt(Rd::int)?,
+        Field::LoraId => ev.lora_id = rd.opt(Rd::int)?,
+        Field::Medium => ev.medium = rd.name()?,
+        Field::LoraName => ev.lora_name = rd.name()?,
+        Field::Extra => ev.extra = rd.extra()?,
+        Field::GroupIdx => ev.group_idx = rd.group_idx()?,
+        Field::Kind => ev.kind = rd.opt(Rd::str)?,
+        Field::SlidingWindow => drop(rd.opt(Rd::int)?),
+        Field::IgnoredStr => rd.ignored_str()?,
+        Field::Salted => {
             if !rd.nil() {
                 return None;
             }
         }
+        Field::Type => rd.skip(1)?,
+    }
+    Some(())
+}
+
+fn removed_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Removed<'a>, field: Field) -> Option<()> {
+    match field {
+        Field::Hashes => ev.hashes = rd.hashes()?,
+        Field::Medium => ev.medium = rd.name()?,
+        Field::GroupIdx => ev.group_idx = rd.group_idx()?,
+        Field::IgnoredStr => rd.ignored_str()?,
         _ => rd.skip(1)?,
     }
     Some(())
 }
 
-fn removed_field<'a>(rd: &mut Rd<'a>, ev: &mut Removed<'a>, key: &[u8]) -> Option<()> {
-    match key {
-        b"block_hashes" => ev.hashes = rd.hashes()?,
-        b"medium" => ev.medium = rd.name()?,
-        b"group_idx" => ev.group_idx = rd.group_idx()?,
-        b"locality" | b"ownership" => rd.ignored_str()?,
-        _ => rd.skip(1)?,
+/// A known key of a map event (its index in the event's fields) seen once:
+/// a repeated key is the Python decoder's.
+fn once(seen: &mut u32, i: usize) -> Option<()> {
+    let bit = 1u32 << i;
+    if *seen & bit != 0 {
+        return None;
     }
+    *seen |= bit;
     Some(())
 }
 
-/// Known keys of a map event (`positions` then `map_only`), each once: a
-/// repeated key is the Python decoder's.
-fn once(seen: &mut u32, key: &[u8], positions: &[&[u8]], map_only: &[&[u8]]) -> Option<()> {
-    if let Some(i) = positions.iter().chain(map_only).position(|k| *k == key) {
-        let bit = 1u32 << i;
-        if *seen & bit != 0 {
-            return None;
-        }
-        *seen |= bit;
-    }
-    Some(())
-}
-
-/// Array-form positions after the tag (`engine_wire.ARRAY_FIELDS`); the map
-/// form's keys are these and `*_MAP_ONLY`.
-const STORED_POSITIONS: &[&[u8]] = &[
-    b"block_hashes",
-    b"parent_block_hash",
-    b"token_ids",
-    b"block_size",
-    b"lora_id",
-    b"medium",
-    b"lora_name",
-    b"extra_keys",
-    b"group_idx",
-    b"kv_cache_spec_kind",
-    b"kv_cache_spec_sliding_window",
+/// The map form's keys: first the array form's positions after the tag
+/// (`engine_wire.ARRAY_FIELDS`: `*_POSITIONS` of them), then the map-only ones.
+const STORED_FIELDS: &[(&[u8], Field)] = &[
+    (b"block_hashes", Field::Hashes),
+    (b"parent_block_hash", Field::Parent),
+    (b"token_ids", Field::Tokens),
+    (b"block_size", Field::BlockSize),
+    (b"lora_id", Field::LoraId),
+    (b"medium", Field::Medium),
+    (b"lora_name", Field::LoraName),
+    (b"extra_keys", Field::Extra),
+    (b"group_idx", Field::GroupIdx),
+    (b"kv_cache_spec_kind", Field::Kind),
+    (b"kv_cache_spec_sliding_window", Field::SlidingWindow),
+    (b"locality", Field::IgnoredStr),
+    (b"ownership", Field::IgnoredStr),
+    (b"session_id", Field::IgnoredStr),
+    (b"cache_salt", Field::Salted),
+    (b"metadata", Field::Salted),
+    (b"type", Field::Type),
 ];
-const STORED_MAP_ONLY: &[&[u8]] = &[b"locality", b"ownership", b"session_id", b"cache_salt", b"metadata", b"type"];
-const REMOVED_POSITIONS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx"];
-const REMOVED_MAP_ONLY: &[&[u8]] = &[b"locality", b"ownership", b"type"];
+const STORED_POSITIONS: usize = 11;
+const REMOVED_FIELDS: &[(&[u8], Field)] = &[
+    (b"block_hashes", Field::Hashes),
+    (b"medium", Field::Medium),
+    (b"group_idx", Field::GroupIdx),
+    (b"locality", Field::IgnoredStr),
+    (b"ownership", Field::IgnoredStr),
+    (b"type", Field::Type),
+];
+const REMOVED_POSITIONS: usize = 3;
+/// The tag's index in both field lists.
+const STORED_TYPE: usize = STORED_FIELDS.len() - 1;
+const REMOVED_TYPE: usize = REMOVED_FIELDS.len() - 1;
 
-fn map_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
+/// A new store or removal at the end of `events`, filled there (an event is
+/// a few hundred bytes: moved from a local, each was a copy call).
+fn push_stored<'a, 'e>(events: &'e mut Vec<Event<'a>>) -> &'e mut Stored<'a> {
+    events.push(Event::Stored(new_stored()));
+    match events.last_mut() {
+        Some(Event::Stored(s)) => s,
+        _ => unreachable!("just pushed"),
+    }
+}
+
+fn push_removed<'a, 'e>(events: &'e mut Vec<Event<'a>>) -> &'e mut Removed<'a> {
+    events.push(Event::Removed(Removed { hashes: Vec::new(), medium: None, group_idx: None }));
+    match events.last_mut() {
+        Some(Event::Removed(r)) => r,
+        _ => unreachable!("just pushed"),
+    }
+}
+
+fn map_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()> {
     let n = rd.map_len()?;
     // The tag first: how every engine writes it.
     if n == 0 || rd.str_bytes()? != b"type" {
         return None;
     }
-    let tag = rd.str()?;
     let mut seen = 0u32;
-    let mut has_hashes = false;
-    let event = match tag {
-        "BlockStored" => {
-            let mut ev = new_stored();
-            once(&mut seen, b"type", STORED_POSITIONS, STORED_MAP_ONLY)?;
+    // The hashes are the first field of both.
+    match rd.str_bytes()? {
+        b"BlockStored" => {
+            let ev = push_stored(events);
+            once(&mut seen, STORED_TYPE)?;
+            let mut next = 0;
             for _ in 1..n {
-                let key = rd.key(STORED_POSITIONS, STORED_MAP_ONLY)?;
-                once(&mut seen, key, STORED_POSITIONS, STORED_MAP_ONLY)?;
-                has_hashes |= key == b"block_hashes";
-                stored_field(rd, &mut ev, key)?;
+                match rd.key(STORED_FIELDS, next)? {
+                    Some(i) => {
+                        once(&mut seen, i)?;
+                        next = i + 1;
+                        stored_field(rd, ev, STORED_FIELDS[i].1)?;
+                    }
+                    None => rd.skip(1)?,
+                }
             }
-            Event::Stored(ev)
         }
-        "BlockRemoved" => {
-            let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
-            once(&mut seen, b"type", REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
+        b"BlockRemoved" => {
+            let ev = push_removed(events);
+            once(&mut seen, REMOVED_TYPE)?;
+            let mut next = 0;
             for _ in 1..n {
-                let key = rd.key(REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
-                once(&mut seen, key, REMOVED_POSITIONS, REMOVED_MAP_ONLY)?;
-                has_hashes |= key == b"block_hashes";
-                removed_field(rd, &mut ev, key)?;
+                match rd.key(REMOVED_FIELDS, next)? {
+                    Some(i) => {
+                        once(&mut seen, i)?;
+                        next = i + 1;
+                        removed_field(rd, ev, REMOVED_FIELDS[i].1)?;
+                    }
+                    None => rd.skip(1)?,
+                }
             }
-            Event::Removed(ev)
         }
         _ => return None,
-    };
-    has_hashes.then_some(event)
+    }
+    (seen & 1 != 0).then_some(())
 }
 
-fn array_event<'a>(rd: &mut Rd<'a>) -> Option<Event<'a>> {
+fn array_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()> {
     let n = rd.array_len()?;
     if n < 2 {
         return None; // no hashes, or AllBlocksCleared
     }
-    match rd.str()? {
-        "BlockStored" if n <= 1 + STORED_POSITIONS.len() => {
-            let mut ev = new_stored();
-            for key in &STORED_POSITIONS[..n - 1] {
+    match rd.str_bytes()? {
+        b"BlockStored" if n <= 1 + STORED_POSITIONS => {
+            let ev = push_stored(events);
+            for &(_, field) in &STORED_FIELDS[..n - 1] {
                 // Index 7 may be SGLang's metadata map: the Python decoder's.
-                stored_field(rd, &mut ev, key)?;
+                stored_field(rd, ev, field)?;
             }
-            Some(Event::Stored(ev))
+            Some(())
         }
-        "BlockRemoved" if n <= 1 + REMOVED_POSITIONS.len() => {
-            let mut ev = Removed { hashes: Vec::new(), medium: None, group_idx: None };
-            for key in &REMOVED_POSITIONS[..n - 1] {
-                removed_field(rd, &mut ev, key)?;
+        b"BlockRemoved" if n <= 1 + REMOVED_POSITIONS => {
+            let ev = push_removed(events);
+            for &(_, field) in &REMOVED_FIELDS[..n - 1] {
+                removed_field(rd, ev, field)?;
             }
-            Some(Event::Removed(ev))
+            Some(())
         }
         _ => None,
     }
 }
 
 /// The payload, when it is in the subset this module reads (see the module doc).
+#[cfg(test)]
 pub fn decode(payload: &[u8]) -> Option<Batch<'_>> {
-    let mut rd = Rd { b: payload };
+    decode_with(payload, &mut Spare::default())
+}
+
+/// `decode`, in buffers taken from `spare` (given back by `Spare::recycle`).
+pub fn decode_with<'a>(payload: &'a [u8], spare: &mut Spare) -> Option<Batch<'a>> {
+    let mut events = std::mem::take(&mut spare.events).into_iter().map(|_| unreachable!()).collect::<Vec<Event<'a>>>();
+    let mut rd = Rd { b: payload, spare };
     let len = rd.array_len()?;
     if !(2..=3).contains(&len) {
         return None;
     }
     rd.float()?;
     let n = rd.array_len()?;
-    let mut events = Vec::with_capacity(n);
+    events.reserve(n);
     for _ in 0..n {
-        let event = match rd.peek()? {
-            0x80..=0x8f | 0xde | 0xdf => map_event(&mut rd)?,
-            0x90..=0x9f | 0xdc | 0xdd => array_event(&mut rd)?,
+        match rd.peek()? {
+            0x80..=0x8f | 0xde | 0xdf => map_event(&mut rd, &mut events)?,
+            0x90..=0x9f | 0xdc | 0xdd => array_event(&mut rd, &mut events)?,
             _ => return None,
-        };
-        events.push(event);
+        }
     }
     let dp_rank = if len == 3 { rd.opt(|r| u64::try_from(r.int()?).ok())? } else { None };
     rd.b.is_empty().then_some(Batch { dp_rank, events })

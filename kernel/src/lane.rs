@@ -12,8 +12,11 @@
 //! groups, a new or emptied owner,
 //! capacity, an unknown medium, a parent or a token-less store's content
 //! the store does not hold...).
-//! Each record is checked whole before any of it is applied, so a record
-//! the lane stops at is untouched and the caller applies it the Python way.
+//! A record applies whole or not at all: its events change the owner's
+//! tier sets as they are checked, one probe a hash, and are undone there at
+//! the first event the lane cannot apply; only a record that got through
+//! goes on to the catalog and masks (`store::LaneOwner`). A record the lane
+//! stops at is left untouched and the caller applies it the Python way.
 //!
 //! A context holds what the Python path would look up for each record of
 //! one instance, header set and rank: the owner's slot in its namespace's
@@ -30,7 +33,7 @@ use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::engine_wire::{self, Event, Extra, Stored};
-use crate::store::BlockStore;
+use crate::store::{BlockStore, LaneOwner};
 
 const DEVICE: usize = 0;
 const TIERS: usize = 3;
@@ -112,8 +115,10 @@ pub struct EngineLane {
     /// The signature and instance of the record `run` last stopped at for a context.
     miss: Option<(Vec<u8>, Vec<u8>)>,
     sig: Vec<u8>,
-    held: HashMap<(usize, u64), bool>,
-    last: HashMap<u64, bool>,
+    changes: Changes,
+    spare: engine_wire::Spare,
+    /// A store's identities, computed as it is applied.
+    idents: Vec<u64>,
     touched: Vec<usize>,
     counters: [u64; 5],
     gaps: Vec<(usize, usize, u64)>,
@@ -198,15 +203,69 @@ fn read_record<'a>(item: &'a Bound<'_, PyAny>, sig: &mut Vec<u8>) -> PyResult<Op
     Ok(Some(Rec { key, seq, now, payload }))
 }
 
-/// What a record would do to an owner's tiers, checked before any of it
-/// is applied: None as soon as an event needs the Python path.
-struct Check<'s> {
-    st: &'s BlockStore,
+/// One change a record made to its owner's tier sets: undone when a later
+/// event of the record is the Python path's, else completed in the catalog
+/// and masks (`LaneOwner`). `at`: the hash's place in its event.
+#[derive(Clone, Copy)]
+struct Change {
+    seq: u64,
+    at: u32,
+    tier: u8,
+    stored: bool,
+}
+
+/// Past this many changes a record's latest change of a hash is looked up
+/// in a map, not by a scan of them.
+const SCAN: usize = 32;
+
+/// A record's changes so far, event by event (`ends`), and the latest of
+/// each hash when the record is long (`last`, filled as far as `synced`).
+#[derive(Default)]
+struct Changes {
+    list: Vec<Change>,
+    ends: Vec<usize>,
+    last: HashMap<u64, bool>,
+    synced: usize,
+}
+
+impl Changes {
+    fn clear(&mut self) {
+        self.list.clear();
+        self.ends.clear();
+        self.last.clear();
+        self.synced = 0;
+    }
+
+    /// Whether the record stored (true) or removed (false) `seq` last, in any tier.
+    fn last(&mut self, seq: u64) -> Option<bool> {
+        if self.list.len() <= SCAN {
+            return self.list.iter().rev().find(|c| c.seq == seq).map(|c| c.stored);
+        }
+        for c in &self.list[self.synced..] {
+            self.last.insert(c.seq, c.stored);
+        }
+        self.synced = self.list.len();
+        self.last.get(&seq).copied()
+    }
+
+    /// Puts the owner's tier sets back as they were before the record.
+    fn undo(&self, owner: &mut LaneOwner<'_>) {
+        for c in self.list.iter().rev() {
+            if c.stored {
+                owner.remove(usize::from(c.tier), c.seq);
+            } else {
+                owner.insert(usize::from(c.tier), c.seq);
+            }
+        }
+    }
+}
+
+/// A record's events staged on its owner's tier sets: None as soon as an
+/// event needs the Python path (the caller then undoes the changes).
+struct Stage<'s, 'o> {
+    owner: &'s mut LaneOwner<'o>,
     ctx: &'s Ctx,
-    held: &'s mut HashMap<(usize, u64), bool>,
-    /// Hashes stored (true) or removed (false) by the record so far, in any tier.
-    last: &'s mut HashMap<u64, bool>,
-    size: usize,
+    changes: &'s mut Changes,
     /// With pending halves in the namespace: what they wait for.
     busy: Option<Waits<'s, 's>>,
 }
@@ -226,11 +285,7 @@ impl Waits<'_, '_> {
     }
 }
 
-impl Check<'_> {
-    fn holds(&self, tier: usize, seq: u64) -> bool {
-        self.held.get(&(tier, seq)).copied().unwrap_or_else(|| self.st.holds(self.ctx.slot, tier, seq))
-    }
-
+impl Stage<'_, '_> {
     fn stored(&mut self, ev: &Stored<'_>, tier: usize) -> Option<()> {
         let ctx = self.ctx;
         let n = ev.hashes.len();
@@ -254,7 +309,7 @@ impl Check<'_> {
             || !plain
             || (ctx.pool_mode && tier != DEVICE)
             || !fits
-            || self.size + n > ctx.max_blocks
+            || self.owner.size() + n > ctx.max_blocks
         {
             return None;
         }
@@ -267,9 +322,9 @@ impl Check<'_> {
             (None, _) => &ev.hashes,
         };
         for &h in needed {
-            let known = match self.last.get(&h) {
-                Some(&stored) => stored,
-                None => self.st.is_held(h),
+            let known = match self.changes.last(h) {
+                Some(stored) => stored,
+                None => self.owner.held_content(h).is_some(),
             };
             if !known {
                 return None;
@@ -282,32 +337,30 @@ impl Check<'_> {
                 }
             }
         }
-        let held = ev.hashes.iter().filter(|&&h| self.holds(tier, h)).count();
+        let from = self.changes.list.len();
+        let mut held = 0;
+        for (k, &h) in ev.hashes.iter().enumerate() {
+            if self.owner.insert(tier, h) {
+                self.changes.list.push(Change { seq: h, at: k as u32, tier: tier as u8, stored: true });
+            } else if !self.changes.list[from..].iter().any(|c| c.seq == h) {
+                held += 1; // held before this event (not a repeat within it)
+            }
+        }
         if held == n && ev.parent.is_none() {
             // A re-announcement (`NamespaceIndex._copies`): nothing changes.
             return Some(());
         }
-        if held != 0 {
-            return None; // copies: the Python path's
-        }
-        for &h in &ev.hashes {
-            if self.held.insert((tier, h), true) != Some(true) {
-                self.size += 1;
-            }
-            self.last.insert(h, true);
-        }
-        Some(())
+        // Some held: copies, the Python path's.
+        (held == 0).then_some(())
     }
 
     fn removed(&mut self, hashes: &[u64], group_idx: Option<u32>, tier: usize) -> Option<()> {
         if group_idx.unwrap_or(0) != 0 || (self.ctx.pool_mode && tier != DEVICE) {
             return None;
         }
-        for &h in hashes {
-            if self.holds(tier, h) {
-                self.held.insert((tier, h), false);
-                self.size -= 1;
-                self.last.insert(h, false);
+        for (k, &h) in hashes.iter().enumerate() {
+            if self.owner.remove(tier, h) {
+                self.changes.list.push(Change { seq: h, at: k as u32, tier: tier as u8, stored: false });
             } else if let Some(w) = &self.busy {
                 // A hash not held may cancel a wait (`_cancel_wait`).
                 if w.waiting.contains(h).unwrap_or(true) {
@@ -316,7 +369,7 @@ impl Check<'_> {
             }
         }
         // An emptied owner leaves its namespace: the Python path's.
-        (self.size > 0).then_some(())
+        (self.owner.size() > 0).then_some(())
     }
 }
 
@@ -332,7 +385,10 @@ impl EngineLane {
         Ok(t)
     }
 
-    /// Checks then applies one decoded record; None: nothing was applied.
+    /// Applies one decoded record whole; None: nothing was applied. Its
+    /// events change the owner's tier sets first, each checked as it goes
+    /// (undone at the first the Python path must apply); then the catalog
+    /// and masks follow the changes, event by event.
     fn apply(
         &mut self,
         py: Python<'_>,
@@ -345,7 +401,8 @@ impl EngineLane {
         let ctx = self.ctxs[c].as_mut().expect("a live context");
         let store = ctx.store.bind(py);
         let mut st = store.borrow_mut();
-        let Some(size) = st.size_of(ctx.slot) else { return Ok(None) };
+        let store_now = st.now();
+        let Some(mut owner) = st.lane_owner(ctx.slot) else { return Ok(None) };
         let pending = ctx.pending.bind(py);
         let (waiting, children, unresolved) =
             (ctx.waiting.bind(py), ctx.children.bind(py), ctx.unresolved.bind(py));
@@ -355,7 +412,7 @@ impl EngineLane {
             // A store's namespace expires its pending halves first
             // (`NamespaceIndex.expire`): one that would go is the Python path's.
             let index_now = if rec.now > *now { rec.now } else { *now };
-            let ns_now = if index_now > st.now() { index_now } else { st.now() };
+            let ns_now = if index_now > store_now { index_now } else { store_now };
             let oldest = pending.as_any().try_iter()?.next().transpose()?;
             if let Some(key) = oldest {
                 let ts: f64 = pending.as_any().get_item(key)?.extract()?;
@@ -369,57 +426,66 @@ impl EngineLane {
             }
             Some(Waits { waiting, children, unresolved })
         };
-        self.held.clear();
-        self.last.clear();
-        let mut check = Check { st: &st, ctx, held: &mut self.held, last: &mut self.last, size, busy };
+        let changes = &mut self.changes;
+        changes.clear();
+        let mut stage = Stage { owner: &mut owner, ctx, changes, busy };
         for (ev, &tier) in events.iter().zip(tiers) {
             let ok = match ev {
-                Event::Stored(s) => check.stored(s, tier),
-                Event::Removed(r) => check.removed(&r.hashes, r.group_idx, tier),
+                Event::Stored(s) => stage.stored(s, tier),
+                Event::Removed(r) => stage.removed(&r.hashes, r.group_idx, tier),
             };
             if ok.is_none() {
+                stage.changes.undo(stage.owner);
                 return Ok(None);
             }
+            stage.changes.ends.push(stage.changes.list.len());
         }
         if rec.now > *now {
             *now = rec.now;
         }
         let mut done = 0;
-        for (ev, &tier) in events.iter().zip(tiers) {
+        let mut from = 0;
+        let idents = &mut self.idents;
+        for ((ev, &tier), &to) in events.iter().zip(tiers).zip(&changes.ends) {
+            let made = &changes.list[from..to];
+            from = to;
             match ev {
                 Event::Stored(s) => {
-                    st.touch_expire(*now);
+                    owner.touch_expire(*now);
+                    ctx.stored |= 1 << tier;
+                    if made.is_empty() {
+                        continue; // a re-announcement
+                    }
                     let n = s.hashes.len();
-                    let root = match (s.parent, &s.tokens) {
-                        (Some(p), Some(_)) => st.content(p).expect("a held parent"),
-                        _ => ctx.seed,
-                    };
-                    let step = ctx.block_size * 4;
-                    let idents: Vec<u64> = match s.tokens.as_deref() {
+                    idents.clear();
+                    match s.tokens.as_deref() {
                         Some(tokens) => {
-                            let mut ident = root;
-                            tokens[..n * step]
-                                .chunks_exact(step)
-                                .map(|block| {
-                                    ident = xxh3_64_with_seed(block, ident);
-                                    ident
-                                })
-                                .collect()
+                            let mut ident = match s.parent {
+                                Some(p) => owner.content(p).expect("a held parent"),
+                                None => ctx.seed,
+                            };
+                            let step = ctx.block_size * 4;
+                            idents.extend(tokens[..n * step].chunks_exact(step).map(|block| {
+                                ident = xxh3_64_with_seed(block, ident);
+                                ident
+                            }));
                         }
                         // The catalog's, as placing with no identities takes them.
-                        None => s.hashes.iter().map(|&h| st.content(h).expect("held content")).collect(),
-                    };
-                    let room = ctx.max_blocks as i64 - st.size_of(ctx.slot).unwrap_or_default() as i64;
-                    let (placed, conflicts) = st.place_known(ctx.slot, tier, &s.hashes, &idents, room)?;
-                    self.counters[HASH_CONFLICTS] += conflicts as u64;
-                    ctx.applied[tier] += placed as u64;
-                    ctx.stored |= 1 << tier;
-                    done += placed;
+                        None => idents.extend(s.hashes.iter().map(|&h| owner.content(h).expect("held content"))),
+                    }
+                    for ch in made {
+                        let conflict = owner.acquire(tier, ch.seq, idents[ch.at as usize])?;
+                        self.counters[HASH_CONFLICTS] += u64::from(conflict);
+                    }
+                    ctx.applied[tier] += made.len() as u64;
+                    done += made.len();
                 }
                 Event::Removed(r) => {
-                    let missing = st.unplace_all(ctx.slot, tier, &r.hashes)?;
-                    self.counters[REMOVAL_UNKNOWN] += missing as u64;
-                    done += r.hashes.len() - missing;
+                    for ch in made {
+                        owner.release(tier, ch.seq)?;
+                    }
+                    self.counters[REMOVAL_UNKNOWN] += (r.hashes.len() - made.len()) as u64;
+                    done += made.len();
                 }
             }
         }
@@ -510,8 +576,9 @@ impl EngineLane {
             insts: HashMap::new(),
             miss: None,
             sig: Vec::new(),
-            held: HashMap::new(),
-            last: HashMap::new(),
+            changes: Changes::default(),
+            spare: engine_wire::Spare::default(),
+            idents: Vec::new(),
             touched: Vec::new(),
             counters: [0; 5],
             gaps: Vec::new(),
@@ -535,7 +602,7 @@ impl EngineLane {
             }
             let item = records.get_item(i)?;
             let Some(rec) = read_record(&item, &mut sig)? else { break (i, PYTHON, None) };
-            let Some(batch) = engine_wire::decode(rec.payload) else { break (i, PYTHON, None) };
+            let Some(batch) = engine_wire::decode_with(rec.payload, &mut self.spare) else { break (i, PYTHON, None) };
             match batch.dp_rank {
                 Some(r) => {
                     sig.push(1);
@@ -569,6 +636,7 @@ impl EngineLane {
             let Some(done) = self.apply(py, c, &rec, &batch.events, &tiers, &mut now)? else {
                 break (i, PYTHON, None);
             };
+            self.spare.recycle(batch);
             let missing = self.check_seq(rec.key, rank, rec.seq, now);
             if missing != 0 {
                 self.gaps.push((i, done, missing));

@@ -279,15 +279,18 @@ impl Holder for OwnerTier<'_> {
     }
 
     fn uncount(&mut self, ident: u64) {
-        if let Entry::Occupied(mut o) = self.dups.entry((self.tier, ident)) {
-            if *o.get() == 1 {
-                o.remove();
-            } else {
-                *o.get_mut() -= 1;
+        // Most owners hold no copies: no probe of an empty map.
+        if !self.dups.is_empty() {
+            if let Entry::Occupied(mut o) = self.dups.entry((self.tier, ident)) {
+                if *o.get() == 1 {
+                    o.remove();
+                } else {
+                    *o.get_mut() -= 1;
+                }
+                return;
             }
-        } else {
-            self.masks.clear_bits(ident, self.bit);
         }
+        self.masks.clear_bits(ident, self.bit);
     }
 }
 
@@ -860,11 +863,69 @@ impl Word<'_> {
     }
 }
 
-/// What the engine lane (`lane.rs`) does to an owner's tier: the same
-/// operations as `place_owner` and `remove_owner`, without Python values.
 impl BlockStore {
     pub(crate) fn now(&self) -> f64 {
         self.cat.now
+    }
+
+    /// The owner at `slot` as the engine lane changes it (`LaneOwner`).
+    pub(crate) fn lane_owner(&mut self, slot: usize) -> Option<LaneOwner<'_>> {
+        let owner = self.owners.get_mut(&slot)?;
+        let w = slot >> 6;
+        let [dev, host, disk] = &mut self.masks;
+        Some(LaneOwner {
+            cat: &mut self.cat,
+            tiers: &mut owner.tiers,
+            dups: &mut owner.dups,
+            masks: [&mut dev[w], &mut host[w], &mut disk[w]],
+            frozen: &mut self.frozen,
+            slot,
+        })
+    }
+}
+
+/// What the engine lane (`lane.rs`) does to one owner: `place_owner` and
+/// `remove_owner` split in two, so that a record applies whole or not at
+/// all without a dry run that probes every hash before the apply probes it
+/// again. The tier sets change first (`insert`, `remove`, each undone by
+/// the other; nothing reads them in between), then, once the whole record
+/// is known to apply, the catalog and the masks follow in the record's
+/// order (`acquire`, `release`).
+pub(crate) struct LaneOwner<'s> {
+    cat: &'s mut Catalog,
+    tiers: &'s mut [SeqSet; TIERS],
+    dups: &'s mut HashMap<(u8, u64), u32>,
+    /// The owner's 64-slot word of each tier's masks.
+    masks: [&'s mut CountMap; TIERS],
+    frozen: &'s mut Frozen,
+    slot: usize,
+}
+
+impl LaneOwner<'_> {
+    pub(crate) fn size(&self) -> usize {
+        self.tiers.iter().map(SeqSet::len).sum()
+    }
+
+    /// Whether the tier did not hold `seq` (now it does).
+    pub(crate) fn insert(&mut self, tier: usize, seq: u64) -> bool {
+        self.frozen.keep_tier(self.slot, tier, &self.tiers[tier]);
+        self.tiers[tier].insert(seq)
+    }
+
+    /// Whether the tier held `seq` (now it does not).
+    pub(crate) fn remove(&mut self, tier: usize, seq: u64) -> bool {
+        self.frozen.keep_tier(self.slot, tier, &self.tiers[tier]);
+        self.tiers[tier].remove(&seq)
+    }
+
+    pub(crate) fn content(&self, seq: u64) -> Option<u64> {
+        self.cat.ident(seq)
+    }
+
+    /// The content of `seq` when some tier or pool holds it (held content
+    /// is never expired or evicted, unlike retired content).
+    pub(crate) fn held_content(&self, seq: u64) -> Option<u64> {
+        self.cat.map.get(&seq).filter(|b| b.refs > 0).map(|b| b.ident)
     }
 
     /// `NamespaceIndex.touch` then `expire`, as a store's namespace is
@@ -877,48 +938,30 @@ impl BlockStore {
         self.cat.expire(now);
     }
 
-    pub(crate) fn content(&self, seq: u64) -> Option<u64> {
-        self.cat.ident(seq)
-    }
-
-    /// Whether some tier or pool holds `seq` (held content is never
-    /// expired or evicted, unlike retired content).
-    pub(crate) fn is_held(&self, seq: u64) -> bool {
-        self.cat.map.get(&seq).is_some_and(|b| b.refs > 0)
-    }
-
-    pub(crate) fn holds(&self, slot: usize, tier: usize, seq: u64) -> bool {
-        self.owners.get(&slot).is_some_and(|o| o.tiers[tier].contains(&seq))
-    }
-
-    pub(crate) fn size_of(&self, slot: usize) -> Option<usize> {
-        self.owners.get(&slot).map(|o| o.tiers.iter().map(SeqSet::len).sum())
-    }
-
-    /// (placed, hash conflicts); `room` as `place_owner`'s.
-    pub(crate) fn place_known(
-        &mut self,
-        slot: usize,
-        tier: usize,
-        seqs: &[u64],
-        idents: &[u64],
-        room: i64,
-    ) -> PyResult<(usize, usize)> {
-        let (cat, mut h) = self.owner_tier(slot, tier)?;
-        let (placed, _, conflicts, _) = place(cat, &mut h, seqs, Some(idents), room)?;
-        Ok((placed, conflicts))
-    }
-
-    /// The hashes of `seqs` the tier did not hold.
-    pub(crate) fn unplace_all(&mut self, slot: usize, tier: usize, seqs: &[u64]) -> PyResult<usize> {
-        let (cat, mut h) = self.owner_tier(slot, tier)?;
-        let mut missing = 0;
-        for &seq in seqs {
-            if !unplace(cat, &mut h, seq)? {
-                missing += 1;
-            }
+    fn holder(&mut self, tier: usize) -> OwnerTier<'_> {
+        OwnerTier {
+            set: &mut self.tiers[tier],
+            masks: &mut *self.masks[tier],
+            dups: &mut *self.dups,
+            tier: tier as u8,
+            bit: 1u64 << (self.slot & 63),
         }
-        Ok(missing)
+    }
+
+    /// The catalog and masks of `seq`, inserted into the tier with
+    /// content `ident`; whether the catalog knew other content for it (a
+    /// hash conflict: its content stays).
+    pub(crate) fn acquire(&mut self, tier: usize, seq: u64, ident: u64) -> PyResult<bool> {
+        let canon = self.cat.acquire(seq, ident);
+        self.holder(tier).count(seq, canon)?;
+        Ok(canon != ident)
+    }
+
+    /// The catalog and masks of `seq`, removed from the tier.
+    pub(crate) fn release(&mut self, tier: usize, seq: u64) -> PyResult<()> {
+        let ident = self.cat.release(seq)?;
+        self.holder(tier).uncount(ident);
+        Ok(())
     }
 }
 
