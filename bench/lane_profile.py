@@ -27,8 +27,8 @@ from pathlib import Path
 from bench.cluster import Record
 from bench.peers import INGEST_BATCH
 from bench.vllm_engine import FleetConfig, fleet_workload
-from kvconductor.core import Conductor
-from kvconductor.records import Incoming
+from kvconductor.index.conductor import Conductor
+from kvconductor.wire.records import Incoming
 
 
 def generate(entries: int, seed: int, out: Path) -> None:
