@@ -62,7 +62,13 @@ from kvconductor.kafka.topics import (
     topic_specs,
 )
 from kvconductor.kernel import STATUS as KERNEL_STATUS
-from kvconductor.lifecycle import FatalError, serve_until_signalled
+from kvconductor.lifecycle import (
+    FatalError,
+    Lifecycle,
+    Phase,
+    serve_until_signalled,
+    with_backoff,
+)
 from kvconductor.obs.metrics import Metrics
 from kvconductor.obs.overflow_log import OverflowLog
 from kvconductor.registry.log import RegistrationLog
@@ -106,7 +112,7 @@ class Daemon:
         self.overflow = OverflowLog()
         self.stopping = asyncio.Event()
         self._stop_by = float("inf")
-        self.status = "starting"
+        self.lifecycle = Lifecycle()
         self.http_port: int | None = None
         self.events: EventConsumer | None = None
         self.publisher: SnapshotPublisher | None = None
@@ -130,8 +136,12 @@ class Daemon:
 
     # ---------------------------------------------------------- readiness
 
+    @property
+    def status(self) -> str:
+        return self.lifecycle.status
+
     def ready(self) -> tuple[bool, str]:
-        if self.status != "running":
+        if not self.lifecycle.running:
             return False, self.status
         if not self._kafka_ok:
             return False, "kafka unavailable"
@@ -174,23 +184,18 @@ class Daemon:
         log.info("http listening", host=http.host, port=self.http_port, query_path=KERNEL_STATUS)
 
     async def _with_backoff(self, what: str, attempt: Any) -> Any:
-        delay = 0.5
-        while True:
-            try:
-                return await attempt()
-            except FatalError:
-                raise
-            except (KafkaError, OSError) as exc:
-                self._kafka_ok = False
-                self.status = f"{what}: kafka unavailable"
-                log.warning(
-                    "kafka unavailable, retrying", step=what, error=str(exc), retry_in_s=delay
-                )
-            if self.stopping.is_set():
-                raise asyncio.CancelledError
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), delay)
-            delay = min(delay * 2, 10.0)
+        def kafka_down(exc: BaseException) -> None:
+            self._kafka_ok = False
+
+        return await with_backoff(
+            what,
+            attempt,
+            retry_on=(KafkaError, OSError),
+            lifecycle=self.lifecycle,
+            waiting=lambda exc: f"{what}: kafka unavailable",
+            stopping=self.stopping,
+            on_retry=kafka_down,
+        )
 
     async def _start_client(self, what: str, make: Any) -> Any:
         """Start a fresh Kafka client, retrying with a new one until it starts."""
@@ -215,7 +220,7 @@ class Daemon:
             if created:
                 log.info("topics created", topics=created)
 
-        self.status = "creating topics"
+        self.lifecycle.move(Phase.STARTING, "creating topics")
         await self._with_backoff("creating topics", attempt)
         self._kafka_ok = True
 
@@ -244,7 +249,7 @@ class Daemon:
         return read
 
     async def restore_snapshot(self) -> None:
-        self.status = "restoring snapshot"
+        self.lifecycle.move(Phase.RESTORING)
         read = await self.read_snapshot()
         self._restore(read)
         self._state_offsets = dict(read.offsets)
@@ -555,7 +560,7 @@ class Daemon:
                 self.repartitioner.subscribe()
                 stage_one = asyncio.create_task(self._repartition_loop())
             self._kafka_ok = True
-            self.status = "running"
+            self.lifecycle.move(Phase.RUNNING)
             ended = await self._within_grace(self._loop(), "consuming")
             if stage_one is not None:
                 ended = await self._within_grace(stage_one, "repartitioning") and ended
@@ -565,7 +570,7 @@ class Daemon:
             if not self.stopping.is_set():
                 raise
         finally:
-            self.status = "stopping"
+            self.lifecycle.move(Phase.STOPPING)
             self.stop()
             if self._publishing is not None and not self._publishing.done():
                 self._publishing.cancel()  # the last snapshot was given up on
@@ -586,6 +591,7 @@ class Daemon:
             if self._runner is not None:
                 await self._runner.cleanup()
             self.overflow.check(self.conductor.counters, time.monotonic(), force=True)
+            self.lifecycle.move(Phase.STOPPED)
             log.info("stopped")
 
     async def _loop(self) -> None:
