@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import ConnectionGroup
 from aiokafka.errors import KafkaConnectionError, KafkaError
@@ -39,6 +40,16 @@ async def started(make: Callable[[], C]) -> C:
     return client
 
 
+async def refresh_metadata(consumer: AIOKafkaConsumer) -> None:
+    """Make the consumer's metadata current, so that `partitions_for_topic`
+    knows a topic created or grown since it started.
+
+    aiokafka (0.14) has no public call for it: `topics()` fetches into a copy
+    it throws away. This asks the consumer's own client, a private attribute;
+    check it when upgrading aiokafka."""
+    await consumer._client.force_metadata_update()
+
+
 async def retire(client: Client, grace_s: float) -> None:
     """Stop a client a successor replaced, within `grace_s`: one aiokafka
     gave up on may not stop cleanly."""
@@ -55,7 +66,11 @@ class LiveAdminClient(AIOKafkaAdminClient):  # type: ignore[misc]
     out the whole request timeout. This one bootstraps giving each server
     `CONNECT_TRY_S` (then, if none answered that fast, the request timeout),
     and sends to the broker that answered it last while connected, else the
-    first that answers a metadata request within `CONNECT_TRY_S`."""
+    first that answers a metadata request within `CONNECT_TRY_S`.
+
+    It overrides aiokafka's private `_send_request` and uses its client's
+    private `_request_timeout_ms` and `_conns`, as aiokafka 0.14 has them:
+    check them when upgrading aiokafka."""
 
     # The broker that last answered.
     _live: int | None = None

@@ -51,6 +51,7 @@ from kvconductor.config import Config, kafka_service_options
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.fleet import Index, IndexLimits
 from kvconductor.kafka.access import check_access
+from kvconductor.kafka.clients import refresh_metadata
 from kvconductor.lifecycle import Lifecycle, Phase
 from kvconductor.obs.metrics import Metrics
 from kvconductor.snapshots.store import SnapshotRead, read_snapshot
@@ -104,7 +105,7 @@ class _NoDeadLetters(DeadLetterWriter):
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
     parts = consumer.partitions_for_topic(topic)
     if not parts:
-        await consumer._client.force_metadata_update()
+        await refresh_metadata(consumer)
         parts = consumer.partitions_for_topic(topic)
     if not parts:
         raise ReplicaError(f"topic {topic!r} has no partitions in the broker's metadata")

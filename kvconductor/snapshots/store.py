@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from kvconductor.index.block_store import BlockStore
 from kvconductor.index.fleet import Index
 from kvconductor.index.namespace import Dirty, NamespaceKey
+from kvconductor.kafka.clients import refresh_metadata
 from kvconductor.records_first import RecordsFirst
 from kvconductor.snapshots.units import (
     SCHEMA_VERSION,
@@ -500,7 +501,7 @@ async def read_snapshot(
     started = time.monotonic()
     partitions = consumer.partitions_for_topic(topic)
     if partitions is None:
-        await consumer._client.force_metadata_update()
+        await refresh_metadata(consumer)
         partitions = consumer.partitions_for_topic(topic) or set()
     tps = [TopicPartition(topic, p) for p in sorted(partitions)]
     consumer.assign(tps)
