@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import msgspec
-from aiokafka.partitioner import murmur2
 
 UNROUTABLE = b""
 
@@ -27,11 +26,6 @@ _SEP = "\x1f"
 
 def group_key(tenant: str, model: str, block_size: int | str, salt: str) -> bytes:
     return _SEP.join((tenant, model, str(block_size), salt)).encode("utf-8")
-
-
-def group_partition(key: bytes, partitions: int) -> int:
-    """The partition Kafka's default partitioner gives `key` (murmur2)."""
-    return (int(murmur2(key)) & 0x7FFFFFFF) % partitions
 
 
 def _headers(headers: Iterable[tuple[str, bytes]]) -> dict[str, str]:

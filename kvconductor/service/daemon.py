@@ -41,7 +41,7 @@ from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
 from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
-from consumers.routing import group_key, group_partition
+from consumers.routing import group_key
 from kvconductor.config import (
     Config,
     kafka_fetch_options,
@@ -55,6 +55,7 @@ from kvconductor.index.conductor import Conductor
 from kvconductor.index.namespace import NamespaceKey
 from kvconductor.kafka.access import check_access
 from kvconductor.kafka.clients import retire, started
+from kvconductor.kafka.partitioner import default_partition
 from kvconductor.kafka.topics import (
     Replication,
     TopicError,
@@ -271,7 +272,7 @@ class Daemon:
 
         def owns(ns: NamespaceKey) -> bool:
             key = group_key(ns.tenant, ns.model, ns.block_size, ns.salt)
-            return group_partition(key, n) in partitions
+            return default_partition(key, n) in partitions
 
         return owns
 
