@@ -696,8 +696,8 @@ async def run_daemon(cfg: Config) -> int:
     """The `kvconductor run` entry: signals, then the daemon until stopped."""
     # Modules and their objects live as long as the process: frozen out of
     # the collector's reach, the full collections that records keep
-    # triggering no longer walk them (the imports alone took ~18 ms a
-    # collection, in the event loop).
+    # triggering no longer walk them (in the event loop, the imports alone
+    # made each one a pause queries would wait out).
     gc.collect()
     gc.freeze()
     daemon = Daemon(cfg)

@@ -394,9 +394,8 @@ class _Copy:
         `ids` and read the offsets: the cut. Records are not applied
         meanwhile (the lock); queries are, now and then. A frozen unit's
         blocks and identities are read after the lock (`CutUnit`): reading
-        them here was most of the final round (at 4.3M entries under full
-        churn the identities ~0.7 s of records waiting, the hashes alone
-        12-60 ms)."""
+        them here was most of the final round, which records wait out
+        (docs/benchmarks.md)."""
         for ns in self.index.namespaces.values():
             ns.store.begin_cut()
             self.cut_stores.append(ns.store)
@@ -434,8 +433,8 @@ class _Copy:
 
     async def encode(self, key: UnitKey, unit: Unit | None) -> None:
         """The unit's records, ready to send (a later export replaces them),
-        with a turn after each chunk: the largest units at 4.3M entries
-        took 13-29 ms in one step, which records waited out."""
+        with a turn after each chunk: the largest units encoded in one step
+        made records wait it out."""
         if unit is None:
             self.records[key] = []
             return
