@@ -49,6 +49,7 @@ from kvconductor.lifecycle import (
     with_backoff,
 )
 from kvconductor.registry.publishers import PublisherConfig, StreamKey
+from kvconductor.wire.records import KV_CONTROL
 
 log = structlog.get_logger("kvconductor.bridge")
 
@@ -196,7 +197,7 @@ class Bridge:
             f"max_request_size {self.cfg.bridge.max_request_size}: not relayed"
         )
         if pub is None:  # pragma: no cover - the stream owns its buffer
-            return Entry(entry.key, b"", [("kv-control", b"resync")], None, 64)
+            return Entry(entry.key, b"", [(KV_CONTROL, b"resync")], None, 64)
         return resync_entry(pub, buffer.key.rank, "too_large", reason)
 
     # --------------------------------------------------------------- run
