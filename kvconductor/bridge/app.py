@@ -21,7 +21,6 @@ from typing import Any
 import structlog
 import zmq.asyncio
 from aiohttp import web
-from aiokafka.errors import KafkaError
 
 from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig
@@ -33,6 +32,7 @@ from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
 from kvconductor.config import kafka_client_options, reveal
 from kvconductor.kafka.access import check_access
+from kvconductor.kafka.clients import until_kafka_answers
 from kvconductor.kafka.topics import (
     Replication,
     TopicError,
@@ -46,7 +46,6 @@ from kvconductor.lifecycle import (
     Lifecycle,
     Phase,
     serve_until_signalled,
-    with_backoff,
 )
 from kvconductor.registry.publishers import PublisherConfig, StreamKey
 from kvconductor.wire.records import KV_CONTROL
@@ -204,14 +203,7 @@ class Bridge:
 
     async def _with_backoff(self, what: str, attempt: Callable[[], Awaitable[None]]) -> None:
         self.lifecycle.move(Phase.STARTING, what)
-        await with_backoff(
-            what,
-            attempt,
-            retry_on=(KafkaError, OSError),
-            lifecycle=self.lifecycle,
-            waiting=lambda exc: f"{what}: kafka unavailable",
-            stopping=self.stopping,
-        )
+        await until_kafka_answers(what, attempt, self.lifecycle, self.stopping)
 
     async def _ensure_topics(self) -> None:
         await check_access(self.cfg.kafka)  # a refused login or certificate: exit

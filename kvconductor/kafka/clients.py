@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer
@@ -13,6 +13,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import ConnectionGroup
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.protocol.metadata import MetadataRequest
+
+from kvconductor.lifecycle import Lifecycle, with_backoff
 
 # How long an admin request waits for a broker to accept a connection
 # before trying the next one.
@@ -25,6 +27,7 @@ class Client(Protocol):
 
 
 C = TypeVar("C", bound=Client)
+T = TypeVar("T")
 
 
 async def started(make: Callable[[], C]) -> C:
@@ -48,6 +51,26 @@ async def refresh_metadata(consumer: AIOKafkaConsumer) -> None:
     it throws away. This asks the consumer's own client, a private attribute;
     check it when upgrading aiokafka."""
     await consumer._client.force_metadata_update()
+
+
+async def until_kafka_answers(
+    what: str,
+    attempt: Callable[[], Awaitable[T]],
+    lifecycle: Lifecycle,
+    stopping: asyncio.Event,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
+    """A start-up step of the daemon or the bridge, retried while Kafka does
+    not answer; meanwhile probes say "<what>: kafka unavailable"."""
+    return await with_backoff(
+        what,
+        attempt,
+        retry_on=(KafkaError, OSError),
+        lifecycle=lifecycle,
+        waiting=lambda exc: f"{what}: kafka unavailable",
+        stopping=stopping,
+        on_retry=on_retry,
+    )
 
 
 async def retire(client: Client, grace_s: float) -> None:

@@ -54,7 +54,7 @@ from kvconductor.http.front import QuerySite
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.namespace import NamespaceKey
 from kvconductor.kafka.access import check_access
-from kvconductor.kafka.clients import retire, started
+from kvconductor.kafka.clients import retire, started, until_kafka_answers
 from kvconductor.kafka.partitioner import default_partition
 from kvconductor.kafka.topics import (
     Replication,
@@ -68,7 +68,6 @@ from kvconductor.lifecycle import (
     Lifecycle,
     Phase,
     serve_until_signalled,
-    with_backoff,
 )
 from kvconductor.obs.metrics import Metrics
 from kvconductor.obs.overflow_log import OverflowLog
@@ -188,15 +187,7 @@ class Daemon:
         def kafka_down(exc: BaseException) -> None:
             self._kafka_ok = False
 
-        return await with_backoff(
-            what,
-            attempt,
-            retry_on=(KafkaError, OSError),
-            lifecycle=self.lifecycle,
-            waiting=lambda exc: f"{what}: kafka unavailable",
-            stopping=self.stopping,
-            on_retry=kafka_down,
-        )
+        return await until_kafka_answers(what, attempt, self.lifecycle, self.stopping, kafka_down)
 
     async def _start_client(self, what: str, make: Any) -> Any:
         """Start a fresh Kafka client, retrying with a new one until it starts."""
