@@ -23,6 +23,7 @@ interpreter that has it can be named instead (`kvconductor bench
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import importlib.util
 import json
@@ -39,6 +40,7 @@ import msgspec
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import raw_http
 from bench.cluster import Record, stored_event
 from bench.measure import percentile, process_cpu_s
 from bench.workload import Workload
@@ -47,6 +49,9 @@ from kvconductor.tools.kafka_local import broker as kafka_local
 THREADS = 4  # the indexer's default (a ThreadPoolIndexer)
 SCRAPE_S = 0.01
 TIMEOUT_S = 300.0
+# The HTTP load figure's shape: eight clients, as figure 2's.
+RATE_CLIENTS = 8
+RATE_REQUESTS = 4000
 PROBE_TOKEN = 1 << 20  # above any vocabulary: probe prompts share no block with the workload's
 
 
@@ -238,7 +243,10 @@ def standalone_run(
         answers = [gpu_blocks(http_.json("POST", "/query", q), cfg.block_size) for q in queries]
         bodies = [json.dumps(q).encode() for q in queries]
         http_.latencies("/query", bodies[:20])  # warm-up
-        query_s = http_.latencies("/query", bodies)
+        query = query_percentiles(http_.latencies("/query", bodies))
+        query["queries_per_s"] = asyncio.run(
+            raw_http.rate(port, "/query", bodies, RATE_CLIENTS, RATE_REQUESTS)
+        )
     finally:
         http_.close()
         pubs.close()
@@ -254,7 +262,7 @@ def standalone_run(
         "events_applied": applied,
         "indexer_cpu_s": cpu,
         "answers": answers,
-        "query": query_percentiles(query_s),
+        "query": query,
     }
 
 

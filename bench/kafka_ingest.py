@@ -14,6 +14,8 @@ from its first fetch to caught up, with the CPU it used:
 - `--profile FILE` (consumer mode): cProfile of the catch-up, in FILE.
 - `--kafka-only` (consumer mode): the core takes the records and applies
   none of them: what the Kafka side and the consume loop cost alone.
+- `--set fetch_path=native` (either mode): the daemon's own fetch path
+  (consumers/fetcher.py) in place of aiokafka's fetcher.
 
 The records are the dense instances of the vLLM fixture (`hyb-d0`, `hyb-d1`
 of tests/fixtures/vllm-hybrid: vLLM's own KVCacheManager output, every
@@ -241,6 +243,7 @@ class _Untouched:
 async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> dict[str, float]:
     from consumers.dead_letters import DeadLetterWriter
     from consumers.event_consumer import EventConsumer
+    from consumers.fetcher import native_fetcher
     from kvconductor.config import kafka_fetch_options, load_config
     from kvconductor.index.conductor import Conductor
     from kvconductor.obs.metrics import Metrics
@@ -257,6 +260,7 @@ async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> di
         **kafka_fetch_options(cfg),
     )
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    fetcher = native_fetcher(consumer, cfg) if cfg.fetch_path == "native" else None
     await consumer.start()
     await producer.start()
     events = EventConsumer(
@@ -267,9 +271,13 @@ async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> di
         cfg.engine_topic,
         cfg.pool_topic,
         cfg.fetch_max_records,
+        fetcher=fetcher,
     )
+    if fetcher is not None:
+        await fetcher.start()
 
-    profile = cProfile.Profile() if args.profile else None
+    # CPU time, not wall: on a shared machine waits for a core would count.
+    profile = cProfile.Profile(time.process_time) if args.profile else None
     started: list[tuple[float, Usage]] = []
 
     async def assign(tps: set[TopicPartition]) -> dict[TopicPartition, int]:
@@ -292,6 +300,8 @@ async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> di
         start, used = started[0]
         return _timed(time.monotonic() - start, used, Usage.of(os.getpid()))
     finally:
+        if fetcher is not None:
+            await fetcher.stop()
         await consumer.stop()
         await producer.stop()
 

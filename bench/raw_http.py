@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import cast
 
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
@@ -82,3 +83,27 @@ class RawConnection(asyncio.Protocol):
         self._waiter = asyncio.get_running_loop().create_future()
         self._transport.write(request)
         return await self._waiter
+
+
+async def rate(port: int, path: str, bodies: list[bytes], clients: int, requests: int) -> float:
+    """Answers a second of `requests` POSTs of `bodies` (round robin) over
+    `clients` keep-alive connections, each one request at a time: a router's
+    connection pool under load. Every answer must be a 200."""
+    conns = [await connect(port) for _ in range(clients)]
+    wire = [post(port, path, b) for b in bodies]
+    per = max(1, requests // clients)
+
+    async def drive(conn: RawConnection, first: int, n: int) -> None:
+        for i in range(n):
+            status, body = await conn.exchange(wire[(first + i) % len(wire)])
+            if status != 200:
+                raise RuntimeError(f"{path} answered {status}: {body[:200]!r}")
+
+    try:
+        await asyncio.gather(*(drive(c, i, 4) for i, c in enumerate(conns)))  # warm-up
+        started = time.perf_counter()
+        await asyncio.gather(*(drive(c, i * per, per) for i, c in enumerate(conns)))
+        return clients * per / (time.perf_counter() - started)
+    finally:
+        for c in conns:
+            c.close()

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -24,6 +24,7 @@ from aiokafka.errors import KafkaError, NoOffsetForPartitionError, OffsetOutOfRa
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from consumers.dead_letters import DeadLetterWriter
+from consumers.fetcher import NativeFetcher
 from consumers.positions import resume_positions
 from kvconductor.index.conductor import Conductor, Incoming, Notice
 from kvconductor.obs.logs import RateLimitedLog
@@ -104,11 +105,40 @@ def _next_chunk(n: int, seconds: float) -> int:
     return max(1, min(MAX_CHUNK, int(n * CHUNK_S / seconds)))
 
 
-def _per_topic(records: Sequence[tuple[TopicPartition, ConsumerRecord]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for tp, _ in records:
-        out[tp.topic] = out.get(tp.topic, 0) + 1
-    return out
+class Batch(Protocol):
+    """A fetched batch in produce order, as `_apply_records` applies it:
+    `_Records` (aiokafka's fetch path) or `fetcher.NativeBatch`."""
+
+    incoming: Sequence[Incoming]
+
+    def applied(self, start: int, end: int) -> Iterable[tuple[TopicPartition, int, int]]:
+        """Per partition with records in `incoming[start:end]`: the offset
+        after its last there, and how many."""
+        ...
+
+    def record(self, i: int) -> Any:
+        """Record `i` as the dead-letter writer reads it (a ConsumerRecord's fields)."""
+        ...
+
+
+class _Records:
+    """A `getmany` batch in produce order."""
+
+    def __init__(
+        self, ordered: Sequence[tuple[TopicPartition, ConsumerRecord]], incoming: list[Incoming]
+    ) -> None:
+        self.ordered = ordered
+        self.incoming: Sequence[Incoming] = incoming
+
+    def applied(self, start: int, end: int) -> Iterable[tuple[TopicPartition, int, int]]:
+        last: dict[TopicPartition, tuple[int, int]] = {}
+        for tp, r in self.ordered[start:end]:
+            seen = last.get(tp)
+            last[tp] = (r.offset + 1, 1 if seen is None else seen[1] + 1)
+        return [(tp, after, n) for tp, (after, n) in last.items()]
+
+    def record(self, i: int) -> ConsumerRecord:
+        return self.ordered[i][1]
 
 
 def _timestamp(item: tuple[TopicPartition, ConsumerRecord]) -> int:
@@ -138,6 +168,7 @@ class EventConsumer:
         pool_topic: str,
         max_records: int,
         internal_topic: str | None = None,
+        fetcher: NativeFetcher | None = None,
     ) -> None:
         self.consumer = consumer
         self.conductor = conductor
@@ -148,6 +179,14 @@ class EventConsumer:
         self.max_records = max_records
         # Scale-out mode: read only the repartitioned topic (see repartitioner).
         self.internal_topic = internal_topic
+        # The native fetch path (consumers/fetcher.py); None: aiokafka's.
+        self.fetcher = fetcher
+        if fetcher is not None:
+            fetcher.modes = (
+                {internal_topic: None}
+                if internal_topic is not None
+                else {engine_topic: False, pool_topic: True}
+            )
         # Per assigned partition, the next offset the index expects: where it
         # was positioned on assignment, then past every record applied.
         self.applied_offsets: dict[TopicPartition, int] = {}
@@ -187,6 +226,8 @@ class EventConsumer:
             self.caught_up = False
             if self.on_revoke is not None and revoked:
                 await self.on_revoke(revoked)
+            if self.fetcher is not None:
+                self.fetcher.revoke(revoked)
             for tp in revoked:
                 self.applied_offsets.pop(tp, None)
                 self._heard_from.pop(tp, None)
@@ -201,6 +242,11 @@ class EventConsumer:
                 # The seek targets, not position(): a getmany running in the
                 # other task may already have handed out records past them.
                 self.applied_offsets.update(await self.on_assign(assigned))
+            if self.fetcher is not None:
+                expected = self.applied_offsets
+                for tp in assigned - expected.keys():  # no hook: the group's committed offset
+                    expected[tp] = await self.consumer.position(tp)
+                self.fetcher.assign({tp: expected[tp] for tp in assigned})
             self._heard = now = time.time()
             for tp in assigned:
                 self._heard_from[tp] = now
@@ -211,6 +257,8 @@ class EventConsumer:
 
     async def poll(self, timeout_ms: int) -> int:
         """Fetch one batch and apply it; returns the records handled."""
+        if self.fetcher is not None:
+            return await self._poll_native(self.fetcher, timeout_ms)
         epoch = self.epoch
         try:
             batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
@@ -232,9 +280,43 @@ class EventConsumer:
             handled = await self._apply_batch(batch, epoch)
         finally:
             self.records_first.done()
+        await self._after_batch()
+        return handled
+
+    async def _after_batch(self) -> None:
         self._measure_lag()
         if not self.caught_up:
             self.caught_up = await self._is_caught_up()
+
+    async def _poll_native(self, fetcher: NativeFetcher, timeout_ms: int) -> int:
+        """`poll` on the native fetch path: what the fetcher holds is taken
+        under the lock, after any rebalance hook (see consumers/fetcher.py)."""
+        try:
+            await fetcher.fill(timeout_ms)
+        except OffsetOutOfRangeError as exc:
+            await self._skip_deleted(exc.args[0])
+            return 0
+        handled = 0
+        if fetcher.ready():
+            self.records_first.applying()
+            try:
+                async with self.lock:
+                    batch = fetcher.take(
+                        self.max_records, self.applied_offsets, self.consumer.assignment()
+                    )
+                    if batch is not None:
+                        try:
+                            await self._apply_records(batch)
+                        except BaseException:
+                            # What was handed out and not applied is read again.
+                            for tp in batch.tps:
+                                if tp in self.applied_offsets:
+                                    fetcher.seek(tp, self.applied_offsets[tp])
+                            raise
+                        handled = len(batch)
+            finally:
+                self.records_first.done()
+        await self._after_batch()
         return handled
 
     async def _apply_batch(
@@ -264,7 +346,7 @@ class EventConsumer:
             if not fresh:
                 return 0
             ordered = list(in_produce_order(fresh))
-            await self._apply_records(ordered, self._incoming(ordered))
+            await self._apply_records(_Records(ordered, self._incoming(ordered)))
         return len(ordered)
 
     def _incoming(self, ordered: Sequence[tuple[TopicPartition, ConsumerRecord]]) -> list[Incoming]:
@@ -285,20 +367,17 @@ class EventConsumer:
             )
         return out
 
-    async def _apply_records(
-        self,
-        ordered: Sequence[tuple[TopicPartition, ConsumerRecord]],
-        incoming: Sequence[Incoming],
-    ) -> None:
+    async def _apply_records(self, batch: Batch) -> None:
         """Apply records in chunks, moving each partition's applied offset
         past every record handled (dead-lettered ones too), and letting
         queries in after `YIELD_AFTER_S` of applying."""
         expected = self.applied_offsets
+        incoming = batch.incoming
         clock = time.perf_counter
         resume = clock() + YIELD_AFTER_S
         dead_lettered = False
         done = 0
-        while done < len(ordered):
+        while done < len(incoming):
             chunk = incoming[done : done + self._chunk]
             n = len(chunk)
             began = clock()
@@ -306,14 +385,17 @@ class EventConsumer:
             self._chunk = _next_chunk(n, clock() - began)
             # The index holds the chunk now, its offsets go with it (what a
             # snapshot captures must match), dead letters sent or not.
-            expected.update({tp: r.offset + 1 for tp, r in ordered[done : done + n]})
+            per_topic: dict[str, int] = {}
+            for tp, after, count in batch.applied(done, done + n):
+                expected[tp] = after
+                per_topic[tp.topic] = per_topic.get(tp.topic, 0) + count
             for notice in notices:
                 i = done + notice.at
-                dead_lettered |= await self._notice(ordered[i][1], incoming[i], notice)
+                dead_lettered |= await self._notice(batch.record(i), incoming[i], notice)
             # Counted once applied: a reader of the metric that sees a record
             # consumed may query it (queries run between chunks).
             consumed = self.metrics.records_consumed
-            for topic, count in _per_topic(ordered[done : done + n]).items():
+            for topic, count in per_topic.items():
                 consumed.labels(topic=topic).inc(count)
             done += n
             if clock() >= resume:
@@ -341,11 +423,13 @@ class EventConsumer:
         async with self.lock:
             assigned = self.consumer.assignment()
             tps = [tp for tp in partitions if tp in assigned]
-            self.applied_offsets.update(
-                await resume_positions(
-                    self.consumer, tps, self.applied_offsets, self.conductor.counters
-                )
+            positions = await resume_positions(
+                self.consumer, tps, self.applied_offsets, self.conductor.counters
             )
+            self.applied_offsets.update(positions)
+            if self.fetcher is not None:
+                for tp, offset in positions.items():
+                    self.fetcher.seek(tp, offset)
 
     async def _notice(self, record: Any, incoming: Incoming, notice: Notice) -> bool:
         """Act on what the core said of a record; returns whether it was
@@ -429,7 +513,7 @@ class EventConsumer:
         batch handed out counts as an answer too, and so does an assignment
         (the first fetch has not come back yet)."""
         heard = self._heard_from.get(tp, self._heard)
-        stamp = self.consumer.last_poll_timestamp(tp)
+        stamp = self._source.last_poll_timestamp(tp)
         if stamp is not None:
             heard = max(heard, stamp / 1000.0)
         return max(0.0, now - heard)
@@ -444,7 +528,7 @@ class EventConsumer:
     def _track(self, tp: TopicPartition, now: float) -> int | None:
         """The partition's lag (None: not known yet), noting since when
         records known to be waiting on it have waited."""
-        high = self.consumer.highwater(tp)
+        high = self._source.highwater(tp)
         pos = self.applied_offsets.get(tp)
         if high is None or pos is None:
             return None
@@ -496,18 +580,32 @@ class EventConsumer:
         # Behind the end the last fetch answer saw, it is behind: said with
         # no request, which would wait behind the fetch in flight (up to
         # fetch_max_wait_ms) after every batch while catching up.
-        consumer = self.consumer
+        source = self._source
         for tp in assigned:
-            end = consumer.last_stable_offset(tp)
+            end = source.last_stable_offset(tp)
             if end is None or end < 0:
-                end = consumer.highwater(tp)
-            if end is not None and await consumer.position(tp) < end:
+                end = source.highwater(tp)
+            if end is not None and await self._position(tp) < end:
                 return False
-        ends = await consumer.end_offsets(list(assigned))
+        ends = await self.consumer.end_offsets(list(assigned))
         for tp in assigned:
-            if await consumer.position(tp) < ends[tp]:
+            if await self._position(tp) < ends[tp]:
                 return False
         return True
+
+    @property
+    def _source(self) -> AIOKafkaConsumer | NativeFetcher:
+        """What knows the partitions' ends and fetch answers."""
+        return self.consumer if self.fetcher is None else self.fetcher
+
+    async def _position(self, tp: TopicPartition) -> int:
+        """The offset after the last record handed out for `tp`."""
+        if self.fetcher is not None:
+            pos = self.fetcher.position(tp)
+            if pos is not None:
+                return pos
+        position: int = await self.consumer.position(tp)
+        return position
 
     async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
         """Commit applied offsets to the group (the no-snapshot mode)."""

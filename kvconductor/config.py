@@ -37,6 +37,7 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 import msgspec
 
 from kvconductor.index.limits import IndexLimits, limit_error
+from kvconductor.kernel import KERNEL
 
 ENV_PREFIX = "KVCONDUCTOR_"
 
@@ -45,6 +46,7 @@ SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "console"]
 TopicCheck = Literal["warn", "error"]
+FetchPath = Literal["aiokafka", "native"]
 
 
 class ConfigError(ValueError):
@@ -130,6 +132,9 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_partition_fetch_bytes: int = 4 * 1024 * 1024
     fetch_min_bytes: int = 1
     fetch_max_wait_ms: int = 100
+    # Who fetches the event topics: aiokafka's fetcher, or the daemon's own
+    # requests read by the compiled kernel (consumers/fetcher.py).
+    fetch_path: FetchPath = "aiokafka"
     # Scale-out: several daemons in one group share the work by namespace.
     repartition: bool = False
     repartition_topic: str = "kv-index-input"
@@ -578,6 +583,8 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
             "fetch_max_wait_ms",
             f"must be in [0, min(request_timeout_ms, stale_after_s)), got {k.fetch_max_wait_ms}",
         )
+    if k.fetch_path == "native" and KERNEL is None:
+        raise fail("kafka", "fetch_path", "native needs the compiled kernel, not loaded here")
     sasl = k.security_protocol.startswith("SASL_")
     ssl = k.security_protocol in ("SSL", "SASL_SSL")
     if sasl:

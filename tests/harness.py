@@ -49,6 +49,8 @@ def daemon_config(bootstrap: str, **overrides: str) -> Config:
         "KVCONDUCTOR_HTTP_PORT": "0",
         "KVCONDUCTOR_SNAPSHOT_INTERVAL_S": "0.5",
     }
+    # The daemon suites run on either fetch path (tests/test_native_fetch.py).
+    env.update({k: v for k, v in os.environ.items() if k == "KVCONDUCTOR_KAFKA_FETCH_PATH"})
     env.update(overrides)
     return load_config(None, env)
 

@@ -63,6 +63,7 @@ def test_the_real_paths_take_a_prequeued_backlog(kafka_bootstrap: str, tmp_path:
     (run,) = pre["runs"]
     assert 0 < run["shape"]["records"] <= len(w.streams.records)
     assert 0 < pre["query"]["p50_us"]["median"] <= pre["query"]["p99_us"]["median"]
+    assert pre["query"]["queries_per_s"]["median"] > 0
     standalone = fig["dynamo_indexer"]
     if dynamo is not None:
         assert standalone == {"measured": False, "reason": dynamo}
@@ -72,7 +73,10 @@ def test_the_real_paths_take_a_prequeued_backlog(kafka_bootstrap: str, tmp_path:
     same, compared = standalone["same_answers"]
     assert same == compared > 0
     assert standalone["query"]["p99_us"]["median"] > 0
+    assert standalone["query"]["queries_per_s"]["median"] > 0
     assert len(fig["ratio_real"]["query p99, dynamo.indexer/kvconductor run"]["runs"]) == 1
+    ratio = fig["ratio_real"]["queries/s with 8 clients, kvconductor run/dynamo.indexer"]
+    assert ratio["median"] > 0
 
 
 TRACE = Path(__file__).parent / "fixtures" / "traces" / "conversation_trace-head200.jsonl"

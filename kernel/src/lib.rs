@@ -10,6 +10,7 @@ mod count_map;
 mod engine_wire;
 mod lane;
 mod query_json;
+mod record_batch;
 mod seq_set;
 mod shape;
 mod sharded;
@@ -179,6 +180,7 @@ fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::BlockStore>()?;
     m.add_class::<shape::AnswerShape>()?;
     m.add_class::<lane::EngineLane>()?;
+    record_batch::register(m)?;
     m.add_function(wrap_pyfunction!(chain_identities, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;

@@ -39,6 +39,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 
 from consumers.dead_letters import DeadLetterWriter
 from consumers.event_consumer import EventConsumer
+from consumers.fetcher import native_fetcher
 from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
 from consumers.routing import group_key
@@ -505,6 +506,7 @@ class Daemon:
                 **opts,
                 **kafka_group_options(k),
             )
+            fetcher = native_fetcher(consumer, k) if k.fetch_path == "native" else None
             # The broker answered the admin client moments ago: a consumer
             # that fails to start now is a real error, not an outage.
             self.events = EventConsumer(
@@ -516,12 +518,16 @@ class Daemon:
                 k.pool_topic,
                 k.fetch_max_records,
                 k.repartition_topic if k.repartition else None,
+                fetcher,
             )
             self.events.on_assign = self._on_assign
             self.events.on_revoke = self._on_revoke
             events = self.events
             self.metrics.partitions.source = lambda: events.partition_rows(k.stale_after_s)
             await consumer.start()
+            if fetcher is not None:
+                clients.append(fetcher)
+                await fetcher.start()
             self.events.subscribe()
             if k.repartition:
                 rep_producer = await self._start_client(
@@ -557,7 +563,14 @@ class Daemon:
             if stage_one is not None:
                 ended = await self._within_grace(stage_one, "repartitioning") and ended
             if ended:  # else the loop, left behind, may hold the lock
-                await self._within_grace(self._last_checkpoint(), "last snapshot")
+                try:
+                    await self._within_grace(self._last_checkpoint(), "last snapshot")
+                except KafkaError as exc:
+                    # Nothing is lost: a restart resumes from the last published
+                    # generation's offsets and reads the rest again.
+                    log.warning(
+                        "kafka unavailable: stopping without the last snapshot", error=str(exc)
+                    )
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise
