@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_SALT, KV_TENANT
+from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_PREFIX, KV_SALT, KV_TENANT
 
 UNROUTABLE = b""
 
@@ -33,7 +33,7 @@ def group_key(tenant: str, model: str, block_size: int | str, salt: str) -> byte
 def _headers(headers: Iterable[tuple[str, bytes]]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in headers:
-        if name.startswith("kv-") and value is not None:
+        if name.startswith(KV_PREFIX) and value is not None:
             out[name] = value.decode("utf-8", "replace")
     return out
 
