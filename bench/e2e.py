@@ -69,6 +69,7 @@ from bench.runners import per_unit
 from bench.workload import Workload
 from kvconductor.bridge.config import BridgeSettings
 from kvconductor.tools.kafka_local import broker as kafka_local
+from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_SOURCE
 
 SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
 # The prequeued figure's poll: its clock starts and stops on a scrape.
@@ -355,9 +356,9 @@ class _Run:
         tokens = [n % 65_536, partition, *range(cfg.block_size - 2)]
         event = stored_event([seq_hash], None, tokens, "GPU", cfg.block_size)
         headers = [
-            ("kv-model", cfg.model.encode()),
-            ("kv-block-size", str(cfg.block_size).encode()),
-            ("kv-source", b"vllm"),
+            (KV_MODEL, cfg.model.encode()),
+            (KV_BLOCK_SIZE, str(cfg.block_size).encode()),
+            (KV_SOURCE, b"vllm"),
         ]
         payload = msgspec.msgpack.encode([ts, [event], 0])
         return Record(False, instance.encode(), headers, payload, ts, 1, 1), seq_hash, instance

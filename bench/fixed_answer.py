@@ -35,6 +35,7 @@ from bench.report import cpu_probe_ms, fixed_ok
 from bench.runners import device_answers, sync, timed_rounds
 from bench.workload import Tokens, Workload
 from kvconductor.wire.hashing import BASE_SEED
+from kvconductor.wire.records import KV_OFFLOAD, KV_SEQ
 
 # Blocks per filler chain: a long conversation's context (4,096 tokens).
 CHAIN = 256
@@ -56,9 +57,9 @@ class FilledInstance:
         self.key = key
         self.worker = int(key.rsplit(b"-", 1)[1])
         fields = dict(headers)
-        self.seq = int(fields.get("kv-seq", b"0"))
-        self.local = fields.get("kv-offload") != b"pool"
-        self.headers = [(k, v) for k, v in headers if k != "kv-seq"]
+        self.seq = int(fields.get(KV_SEQ, b"0"))
+        self.local = fields.get(KV_OFFLOAD) != b"pool"
+        self.headers = [(k, v) for k, v in headers if k != KV_SEQ]
 
 
 def instances_of(w: Workload) -> list[FilledInstance]:

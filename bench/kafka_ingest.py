@@ -50,6 +50,8 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from kvconductor.wire.records import KV_SEQ
+
 FIXTURE = (
     Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-hybrid" / "records.jsonl"
 )
@@ -71,7 +73,7 @@ def templates(path: Path) -> list[list[Template]]:
             continue
         value = base64.b64decode(row["value_b64"])
         events = len(msgspec.msgpack.decode(value)[1])
-        headers = [(k, v.encode()) for k, v in row["headers"].items() if k != "kv-seq"]
+        headers = [(k, v.encode()) for k, v in row["headers"].items() if k != KV_SEQ]
         streams[row["key"]].append(Template(headers, value, events))
     return [streams[name] for name in DENSE]
 
@@ -109,7 +111,7 @@ async def produce(bootstrap: str, topic: str, args: argparse.Namespace) -> int:
     try:
         pending = []
         for key, t, seq in fleet(streams, args.instances, args.records):
-            headers = [*t.headers, ("kv-seq", str(seq).encode())]
+            headers = [*t.headers, (KV_SEQ, str(seq).encode())]
             pending.append(await producer.send(topic, t.value, key=key, headers=headers))
             events += t.events
             if len(pending) >= 5000:

@@ -66,6 +66,7 @@ from bench.workload import (
     random_tokens,
     zipf,
 )
+from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_SOURCE
 
 # One engine step, in seconds of the simulated clock (the fixture's).
 STEP_S = 0.025
@@ -440,9 +441,9 @@ class VllmFleet:
         self.prefixes: dict[tuple[int, int], BlockChain] = {}
         self.keys = [f"vllm-{i}".encode() for i in range(cfg.instances)]
         self.headers = [
-            ("kv-model", cfg.model.encode()),
-            ("kv-block-size", str(cfg.engine.block_size).encode()),
-            ("kv-source", b"vllm"),
+            (KV_MODEL, cfg.model.encode()),
+            (KV_BLOCK_SIZE, str(cfg.engine.block_size).encode()),
+            (KV_SOURCE, b"vllm"),
         ]
         self.seqs = [0] * cfg.instances
         self.streams = Streams()

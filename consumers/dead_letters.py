@@ -17,6 +17,13 @@ import structlog
 from aiokafka import AIOKafkaProducer
 
 from kvconductor.obs.metrics import Metrics
+from kvconductor.wire.records import (
+    KV_ORIGIN_KEY,
+    KV_ORIGIN_OFFSET,
+    KV_ORIGIN_PARTITION,
+    KV_ORIGIN_TOPIC,
+    REPARTITION_HEADERS,
+)
 
 DLQ_KIND = "dlq-kind"
 DLQ_REASON = "dlq-reason"
@@ -71,16 +78,16 @@ class DeadLetterWriter:
         original = list(record.headers or ())
         # A repartitioned record (scale-out mode) is reported, and re-driven,
         # as the input record it came from.
-        origin = {k: v for k, v in original if k.startswith("kv-origin-") or k == "kv-kind"}
+        origin = {k: v for k, v in original if k in REPARTITION_HEADERS}
         topic = record.topic
         partition = record.partition
         offset = record.offset
         key = record.key
-        if "kv-origin-topic" in origin:
-            topic = origin["kv-origin-topic"].decode()
-            partition = int(origin["kv-origin-partition"])
-            offset = int(origin["kv-origin-offset"])
-            key = origin.get("kv-origin-key")
+        if KV_ORIGIN_TOPIC in origin:
+            topic = origin[KV_ORIGIN_TOPIC].decode()
+            partition = int(origin[KV_ORIGIN_PARTITION])
+            offset = int(origin[KV_ORIGIN_OFFSET])
+            key = origin.get(KV_ORIGIN_KEY)
             original = [(k, v) for k, v in original if k not in origin]
         headers = dead_letter_headers(
             original, kind, reason, topic, partition, offset, record.timestamp

@@ -26,12 +26,12 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from consumers.dead_letters import DeadLetterWriter
 from consumers.fetcher import NativeFetcher
 from consumers.positions import resume_positions
-from consumers.repartitioner import KIND, ORIGIN_KEY
 from kvconductor.index.conductor import Conductor, Incoming, Notice
 from kvconductor.obs.logs import RateLimitedLog
 from kvconductor.obs.metrics import Metrics, PartitionRow
 from kvconductor.records_first import RecordsFirst
 from kvconductor.wire.errors import BadRecord
+from kvconductor.wire.records import KV_CONTROL_KIND, KV_CONTROL_REASON, KV_KIND, KV_ORIGIN_KEY
 
 log = structlog.get_logger("kvconductor.consumer")
 
@@ -361,8 +361,10 @@ class EventConsumer:
         out = []
         for _, r in ordered:
             h = dict(r.headers or ())
-            pool = h.get(KIND) == b"pool"
-            out.append(Incoming(pool, h.get(ORIGIN_KEY), r.headers, r.value, r.timestamp / 1000.0))
+            pool = h.get(KV_KIND) == b"pool"
+            out.append(
+                Incoming(pool, h.get(KV_ORIGIN_KEY), r.headers, r.value, r.timestamp / 1000.0)
+            )
         return out
 
     async def _apply_records(self, batch: Batch) -> None:
@@ -456,7 +458,7 @@ class EventConsumer:
             headers = {k: v.decode("utf-8", "replace") for k, v in record.headers or ()}
             # A bridge attaching to a stream (how each one starts) is routine;
             # any other resync lost messages.
-            attached = headers.get("kv-control-kind") == "attached"
+            attached = headers.get(KV_CONTROL_KIND) == "attached"
             # Once a minute per instance at most: a flapping bridge resyncs
             # on every restart (counted in index_events_total{kind="resyncs"}).
             self.problems.log(
@@ -466,7 +468,7 @@ class EventConsumer:
                 if attached
                 else "instance resynchronised: its stream lost messages, stale blocks cleared",
                 instance=instance,
-                reason=headers.get("kv-control-reason", ""),
+                reason=headers.get(KV_CONTROL_REASON, ""),
                 headers=headers,
                 blocks_cleared=applied.blocks,
             )

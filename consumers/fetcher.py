@@ -4,8 +4,9 @@ The daemon sends its Fetch requests itself, to each partition's leader,
 through an `AIOKafkaClient` of its own, and the compiled kernel
 (kernel/src/record_batch.rs) reads each partition's record batches
 straight into the `Incoming`s the core takes: no Python per record.
-aiokafka's fetcher spends 6.5-10 µs of CPU a record on the same work
-(its per-record generator, `ConsumerRecord`s, header tuples).
+aiokafka's fetcher spends Python objects on every record for the same
+work (its per-record generator, `ConsumerRecord`s, header tuples): the
+cost per record that bounded ingest (docs/benchmarks.md).
 
 aiokafka's consumer keeps everything else: group membership, the
 assignment, commits and the offsets API. Its own fetcher stays idle, as
@@ -43,11 +44,11 @@ from aiokafka.errors import (
 )
 from aiokafka.protocol.fetch import FetchRequest
 
-from consumers.repartitioner import KIND, ORIGIN_KEY
 from kvconductor.config import KafkaConfig, kafka_fetch_options, kafka_service_options
 from kvconductor.index.conductor import Incoming
 from kvconductor.kernel import KERNEL
 from kvconductor.obs.logs import RateLimitedLog
+from kvconductor.wire.records import KV_KIND, KV_ORIGIN_KEY
 
 log = structlog.get_logger("kvconductor.fetcher")
 
@@ -135,7 +136,7 @@ def _kernel() -> _Kernel:
 
 def record_reader(check_crc: bool = True) -> Reader:
     """The kernel's reader of fetched record batches into `Incoming`s."""
-    return _kernel().RecordReader(Incoming, _inflate, KIND, ORIGIN_KEY, check_crc)
+    return _kernel().RecordReader(Incoming, _inflate, KV_KIND, KV_ORIGIN_KEY, check_crc)
 
 
 class FetchedRecord(NamedTuple):

@@ -21,15 +21,16 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from consumers.routing import engine_route, pool_routes
+from kvconductor.wire.records import (
+    KV_KIND,
+    KV_ORIGIN_KEY,
+    KV_ORIGIN_OFFSET,
+    KV_ORIGIN_PARTITION,
+    KV_ORIGIN_TOPIC,
+    REPARTITION_HEADERS,
+)
 
 log = structlog.get_logger("kvconductor.repartitioner")
-
-KIND = "kv-kind"
-ORIGIN_KEY = "kv-origin-key"
-ORIGIN_TOPIC = "kv-origin-topic"
-ORIGIN_PARTITION = "kv-origin-partition"
-ORIGIN_OFFSET = "kv-origin-offset"
-_OURS = frozenset({KIND, ORIGIN_KEY, ORIGIN_TOPIC, ORIGIN_PARTITION, ORIGIN_OFFSET})
 
 
 class Repartitioner:
@@ -82,17 +83,17 @@ class Repartitioner:
         topic: str = r.topic
         key: bytes | None = r.key
         value: bytes | None = r.value
-        original = [(k, v) for k, v in (r.headers or ()) if k not in _OURS]
+        original = [(k, v) for k, v in (r.headers or ()) if k not in REPARTITION_HEADERS]
         kind = "pool" if topic == self.pool_topic else "engine"
         headers = [
             *original,
-            (KIND, kind.encode()),
-            (ORIGIN_TOPIC, topic.encode()),
-            (ORIGIN_PARTITION, str(r.partition).encode()),
-            (ORIGIN_OFFSET, str(r.offset).encode()),
+            (KV_KIND, kind.encode()),
+            (KV_ORIGIN_TOPIC, topic.encode()),
+            (KV_ORIGIN_PARTITION, str(r.partition).encode()),
+            (KV_ORIGIN_OFFSET, str(r.offset).encode()),
         ]
         if key is not None:
-            headers.append((ORIGIN_KEY, key))
+            headers.append((KV_ORIGIN_KEY, key))
         routes = (
             pool_routes(original, value) if kind == "pool" else [(engine_route(original), value)]
         )

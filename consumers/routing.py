@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import msgspec
-from aiokafka.partitioner import murmur2
+
+from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_PREFIX, KV_SALT, KV_TENANT
 
 UNROUTABLE = b""
 
@@ -29,28 +30,21 @@ def group_key(tenant: str, model: str, block_size: int | str, salt: str) -> byte
     return _SEP.join((tenant, model, str(block_size), salt)).encode("utf-8")
 
 
-def group_partition(key: bytes, partitions: int) -> int:
-    """The partition Kafka's default partitioner gives `key` (murmur2)."""
-    return (int(murmur2(key)) & 0x7FFFFFFF) % partitions
-
-
 def _headers(headers: Iterable[tuple[str, bytes]]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in headers:
-        if name.startswith("kv-") and value is not None:
+        if name.startswith(KV_PREFIX) and value is not None:
             out[name] = value.decode("utf-8", "replace")
     return out
 
 
 def engine_route(headers: Iterable[tuple[str, bytes]]) -> bytes:
     h = _headers(headers)
-    model = h.get("kv-model")
-    block_size = h.get("kv-block-size")
+    model = h.get(KV_MODEL)
+    block_size = h.get(KV_BLOCK_SIZE)
     if not model or not block_size:
         return UNROUTABLE
-    return group_key(
-        h.get("kv-tenant") or "default", model, block_size.strip(), h.get("kv-salt", "")
-    )
+    return group_key(h.get(KV_TENANT) or "default", model, block_size.strip(), h.get(KV_SALT, ""))
 
 
 class _Namespace(msgspec.Struct, gc=False):
@@ -86,16 +80,16 @@ def pool_routes(
         return [(UNROUTABLE, payload)]
     groups: dict[bytes, list[msgspec.Raw]] = {}
     for raw, ns in zip(envelope.events, spaces, strict=True):
-        model = ns.model_name or h.get("kv-model")
-        block_size = ns.block_size or h.get("kv-block-size")
+        model = ns.model_name or h.get(KV_MODEL)
+        block_size = ns.block_size or h.get(KV_BLOCK_SIZE)
         if not model or not block_size:
             key = UNROUTABLE
         else:
             key = group_key(
-                ns.tenant_id or h.get("kv-tenant") or "default",
+                ns.tenant_id or h.get(KV_TENANT) or "default",
                 model,
                 str(block_size).strip(),
-                ns.additional_salt or h.get("kv-salt", ""),
+                ns.additional_salt or h.get(KV_SALT, ""),
             )
         groups.setdefault(key, []).append(raw)
     if len(groups) <= 1:

@@ -27,6 +27,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from kvconductor.index.conductor import Conductor
+from kvconductor.kafka.clients import refresh_metadata
 from kvconductor.wire.query import HashQuery, TokenQuery
 from tests.harness import Record, engine_headers, pool_payload, removed, stored, vllm_payload
 
@@ -235,7 +236,7 @@ async def end_offsets(bootstrap: str, topics: list[str]) -> dict[TopicPartition,
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
-    await consumer._client.force_metadata_update()
+    await refresh_metadata(consumer)
     return consumer.partitions_for_topic(topic) or set()
 
 

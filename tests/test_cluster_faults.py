@@ -166,9 +166,7 @@ class Cluster:
 
     async def transaction_coordinator(self, transactional_id: str) -> int:
         async with self.admin() as admin:
-            node = await admin._client.coordinator_lookup(
-                CoordinationType.TRANSACTION, transactional_id
-            )
+            node = await admin.find_coordinator(transactional_id, CoordinationType.TRANSACTION)
         return int(node)
 
     async def healthy(self) -> None:

@@ -2,7 +2,7 @@
 //! `kvconductor/index/block_store.py`'s `PyBlockStore`, call for call
 //! (tests/test_block_store.py drives both and compares them).
 //!
-//! The layout is for memory (issue #5: at most 100 bytes per (block, owner)):
+//! The layout is for memory (at most 100 bytes per (block, owner)):
 //! - the catalog maps a sequence hash to its identity, holder count and
 //!   retired-queue stamp (24 bytes a bucket); owner tiers and pool stores
 //!   hold bare sequence hashes and read identities from here, which never

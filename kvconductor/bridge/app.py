@@ -21,7 +21,6 @@ from typing import Any
 import structlog
 import zmq.asyncio
 from aiohttp import web
-from aiokafka.errors import KafkaError
 
 from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig
@@ -33,6 +32,7 @@ from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
 from kvconductor.config import kafka_client_options, reveal
 from kvconductor.kafka.access import check_access
+from kvconductor.kafka.clients import until_kafka_answers
 from kvconductor.kafka.topics import (
     Replication,
     TopicError,
@@ -41,8 +41,14 @@ from kvconductor.kafka.topics import (
     ensure_topics_on,
     event_topic_specs,
 )
-from kvconductor.lifecycle import FatalError, serve_until_signalled
+from kvconductor.lifecycle import (
+    FatalError,
+    Lifecycle,
+    Phase,
+    serve_until_signalled,
+)
 from kvconductor.registry.publishers import PublisherConfig, StreamKey
+from kvconductor.wire.records import KV_CONTROL
 
 log = structlog.get_logger("kvconductor.bridge")
 
@@ -78,7 +84,7 @@ class Bridge:
         )
         self.streams: dict[StreamKey, Stream] = {}
         self.ctx: zmq.asyncio.Context | None = None
-        self.status = "starting"
+        self.lifecycle = Lifecycle()
         self.http_port: int | None = None
         self.stopping = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -97,11 +103,16 @@ class Bridge:
         self.http_port = server.sockets[0].getsockname()[1]
         log.info("http listening", host=b.host, port=self.http_port)
 
+    @property
+    def status(self) -> str:
+        return self.lifecycle.status
+
     def health(self) -> tuple[bool, dict[str, object]]:
         kafka_ok = self.sink.delivering
-        ok = self.status == "running" and kafka_ok
+        running = self.lifecycle.running
+        ok = running and kafka_ok
         detail: dict[str, object] = {
-            "status": "ok" if ok else self.status if self.status != "running" else "degraded",
+            "status": "ok" if ok else "degraded" if running else self.status,
             "kafka": "up" if kafka_ok else "unavailable",
             "oldest_unacked_s": round(self.sink.waiting_s(), 3),
             "streams": len(self.streams),
@@ -130,7 +141,7 @@ class Bridge:
 
     async def reconcile(self) -> None:
         """Relay exactly the config's publishers plus the owned registrations."""
-        if self.ctx is None or self.status == "stopping":
+        if self.ctx is None or self.lifecycle.phase is Phase.STOPPING:
             return
         async with self._lock:
             desired = dict(self.static)
@@ -185,27 +196,14 @@ class Bridge:
             f"max_request_size {self.cfg.bridge.max_request_size}: not relayed"
         )
         if pub is None:  # pragma: no cover - the stream owns its buffer
-            return Entry(entry.key, b"", [("kv-control", b"resync")], None, 64)
+            return Entry(entry.key, b"", [(KV_CONTROL, b"resync")], None, 64)
         return resync_entry(pub, buffer.key.rank, "too_large", reason)
 
     # --------------------------------------------------------------- run
 
     async def _with_backoff(self, what: str, attempt: Callable[[], Awaitable[None]]) -> None:
-        delay = 0.5
-        while True:
-            try:
-                await attempt()
-                return
-            except (KafkaError, OSError, TimeoutError) as exc:
-                self.status = f"{what}: kafka unavailable"
-                log.warning("kafka unavailable, retrying", step=what, error=repr(exc))
-            if self.stopping.is_set():
-                raise asyncio.CancelledError
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), delay)
-            if self.stopping.is_set():
-                raise asyncio.CancelledError
-            delay = min(delay * 2, 10.0)
+        self.lifecycle.move(Phase.STARTING, what)
+        await until_kafka_answers(what, attempt, self.lifecycle, self.stopping)
 
     async def _ensure_topics(self) -> None:
         await check_access(self.cfg.kafka)  # a refused login or certificate: exit
@@ -226,17 +224,14 @@ class Bridge:
         """Run until `stop()`; raises FatalError for what needs a human."""
         await self._start_http()
         try:
-            self.status = "creating topics"
             await self._with_backoff("creating topics", self._ensure_topics)
-            self.status = "starting producer"
             await self._with_backoff("starting producer", self.sink.start)
             self.ctx = zmq.asyncio.Context()
             await self.reconcile()
             if self.registry is not None:
-                self.status = "loading registrations"
                 await self._with_backoff("loading registrations", self.registry.start)
                 await self.reconcile()
-            self.status = "running"
+            self.lifecycle.move(Phase.RUNNING)
             log.info("bridge running", streams=len(self.streams))
             while not self.stopping.is_set():
                 self.sink.update_gauges()
@@ -249,7 +244,7 @@ class Bridge:
             await self._shutdown()
 
     async def _shutdown(self) -> None:
-        self.status = "stopping"
+        self.lifecycle.move(Phase.STOPPING)
         async with self._lock:
             await asyncio.gather(*(self._stop_stream(k, None) for k in list(self.streams)))
         if self.registry is not None:
@@ -260,6 +255,7 @@ class Bridge:
             self.ctx = None
         if self._runner is not None:
             await self._runner.cleanup()
+        self.lifecycle.move(Phase.STOPPED)
         log.info("stopped")
 
     def stop(self) -> None:

@@ -15,6 +15,19 @@ import time
 from dataclasses import dataclass, field
 
 from kvconductor.registry.publishers import PublisherConfig
+from kvconductor.wire.records import (
+    KV_BLOCK_SIZE,
+    KV_CONTROL,
+    KV_CONTROL_KIND,
+    KV_CONTROL_REASON,
+    KV_DP_RANK,
+    KV_MODEL,
+    KV_OFFLOAD,
+    KV_SALT,
+    KV_SEQ,
+    KV_SOURCE,
+    KV_TENANT,
+)
 
 Headers = list[tuple[str, bytes]]
 
@@ -40,29 +53,29 @@ def base_headers(pub: PublisherConfig, rank: int) -> Headers:
     """The headers every record of this publisher's rank carries."""
     h: dict[str, str] = {}
     if pub.model is not None:
-        h["kv-model"] = pub.model
+        h[KV_MODEL] = pub.model
     if pub.block_size is not None:
-        h["kv-block-size"] = str(pub.block_size)
-    h["kv-source"] = pub.source
-    h["kv-tenant"] = pub.tenant
-    h["kv-salt"] = pub.salt
-    h["kv-dp-rank"] = str(rank)
+        h[KV_BLOCK_SIZE] = str(pub.block_size)
+    h[KV_SOURCE] = pub.source
+    h[KV_TENANT] = pub.tenant
+    h[KV_SALT] = pub.salt
+    h[KV_DP_RANK] = str(rank)
     if pub.kind == "engine":
-        h["kv-offload"] = pub.offload
+        h[KV_OFFLOAD] = pub.offload
     return [(k, v.encode()) for k, v in h.items()]
 
 
 def data_entry(pub: PublisherConfig, rank: int, seq: int, payload: bytes) -> Entry:
-    headers = [*base_headers(pub, rank), ("kv-seq", str(seq).encode())]
+    headers = [*base_headers(pub, rank), (KV_SEQ, str(seq).encode())]
     key = pub.id.encode()
     return Entry(key, payload, headers, seq, len(payload) + len(key) + 64)
 
 
 def resync_entry(pub: PublisherConfig, rank: int, kind: str, reason: str) -> Entry:
     headers = [
-        ("kv-control", b"resync"),
-        ("kv-control-reason", reason.encode()),
-        ("kv-control-kind", kind.encode()),
+        (KV_CONTROL, b"resync"),
+        (KV_CONTROL_REASON, reason.encode()),
+        (KV_CONTROL_KIND, kind.encode()),
         *base_headers(pub, rank),
     ]
     key = pub.id.encode()

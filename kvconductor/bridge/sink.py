@@ -31,7 +31,6 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, KafkaTimeoutError, MessageSizeTooLargeError
-from aiokafka.partitioner import murmur2
 
 from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig
@@ -39,6 +38,7 @@ from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import Entry
 from kvconductor.config import kafka_client_options
 from kvconductor.kafka.clients import retire
+from kvconductor.kafka.partitioner import default_partition
 from kvconductor.registry.publishers import StreamKey
 
 log = structlog.get_logger("kvconductor.bridge.sink")
@@ -47,12 +47,6 @@ CALL_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0
 # Kafka counts as unavailable when a record waits this long for its ack.
 STALL_S = 5.0
-
-
-def partition_for(key: bytes, partitions: list[int]) -> int:
-    """Kafka's default partitioner for a keyed record (murmur2, as Java's)."""
-    ordered = sorted(partitions)
-    return ordered[(int(murmur2(key)) & 0x7FFFFFFF) % len(ordered)]
 
 
 async def abandon_producer(producer: Any) -> None:
@@ -203,7 +197,7 @@ class Sink:
         if tp is None:
             parts = await asyncio.wait_for(producer.partitions_for(buffer.topic), CALL_TIMEOUT_S)
             key = buffer.entries[0].key
-            tp = TopicPartition(buffer.topic, partition_for(key, list(parts)))
+            tp = TopicPartition(buffer.topic, default_partition(key, len(parts)))
             self.partitions[buffer.key] = tp
         if tp not in self.marks:
             # Nothing of this bridge run was written to tp before its end now.

@@ -296,7 +296,8 @@ class QueryApi:
         if content.is_eof():
             # The usual case: the body came in with the headers and aiohttp
             # holds all of it. Taken without an await, so it never counts
-            # against the budget, and without arming a timer (~10 us).
+            # against the budget, and without arming a timer (a cost per
+            # query on the hot path).
             body = content.read_nowait()
             if len(body) > self.max_body_bytes:  # chunked
                 raise self._too_large()

@@ -5,9 +5,9 @@
     site = QuerySite(runner, host, port)      # in place of web.TCPSite
     await site.start()
 
-aiohttp spends 100-200 us of CPU on each request around a query that
-itself takes 200-300 (measured in docs/benchmarks.md): with one event loop
-that capped a daemon near 2,000-2,500 queries a second on two cores. The site's
+aiohttp spends about as much CPU on each request around a query as the
+query itself takes (docs/benchmarks.md): with one event loop that overhead
+halved the queries a daemon answers a second. The site's
 connections start with `QueryFront`, which answers the one request a router
 sends over and over, a whole `POST /query` or `POST /query_by_hash` with a
 Content-Length, by calling the same `QueryApi` answer functions, counting

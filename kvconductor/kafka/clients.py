@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import ConnectionGroup
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.protocol.metadata import MetadataRequest
+
+from kvconductor.lifecycle import Lifecycle, with_backoff
 
 # How long an admin request waits for a broker to accept a connection
 # before trying the next one.
@@ -24,6 +27,7 @@ class Client(Protocol):
 
 
 C = TypeVar("C", bound=Client)
+T = TypeVar("T")
 
 
 async def started(make: Callable[[], C]) -> C:
@@ -37,6 +41,36 @@ async def started(make: Callable[[], C]) -> C:
             await client.stop()
         raise
     return client
+
+
+async def refresh_metadata(consumer: AIOKafkaConsumer) -> None:
+    """Make the consumer's metadata current, so that `partitions_for_topic`
+    knows a topic created or grown since it started.
+
+    aiokafka (0.14) has no public call for it: `topics()` fetches into a copy
+    it throws away. This asks the consumer's own client, a private attribute;
+    check it when upgrading aiokafka."""
+    await consumer._client.force_metadata_update()
+
+
+async def until_kafka_answers(
+    what: str,
+    attempt: Callable[[], Awaitable[T]],
+    lifecycle: Lifecycle,
+    stopping: asyncio.Event,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
+    """A start-up step of the daemon or the bridge, retried while Kafka does
+    not answer; meanwhile probes say "<what>: kafka unavailable"."""
+    return await with_backoff(
+        what,
+        attempt,
+        retry_on=(KafkaError, OSError),
+        lifecycle=lifecycle,
+        waiting=lambda exc: f"{what}: kafka unavailable",
+        stopping=stopping,
+        on_retry=on_retry,
+    )
 
 
 async def retire(client: Client, grace_s: float) -> None:
@@ -55,7 +89,11 @@ class LiveAdminClient(AIOKafkaAdminClient):  # type: ignore[misc]
     out the whole request timeout. This one bootstraps giving each server
     `CONNECT_TRY_S` (then, if none answered that fast, the request timeout),
     and sends to the broker that answered it last while connected, else the
-    first that answers a metadata request within `CONNECT_TRY_S`."""
+    first that answers a metadata request within `CONNECT_TRY_S`.
+
+    It overrides aiokafka's private `_send_request` and uses its client's
+    private `_request_timeout_ms` and `_conns`, as aiokafka 0.14 has them:
+    check them when upgrading aiokafka."""
 
     # The broker that last answered.
     _live: int | None = None

@@ -42,7 +42,7 @@ from consumers.event_consumer import EventConsumer
 from consumers.fetcher import native_fetcher
 from consumers.positions import resume_positions
 from consumers.repartitioner import Repartitioner
-from consumers.routing import group_key, group_partition
+from consumers.routing import group_key
 from kvconductor.config import (
     Config,
     kafka_fetch_options,
@@ -55,7 +55,8 @@ from kvconductor.http.front import QuerySite
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.namespace import NamespaceKey
 from kvconductor.kafka.access import check_access
-from kvconductor.kafka.clients import retire, started
+from kvconductor.kafka.clients import retire, started, until_kafka_answers
+from kvconductor.kafka.partitioner import default_partition
 from kvconductor.kafka.topics import (
     Replication,
     TopicError,
@@ -63,7 +64,12 @@ from kvconductor.kafka.topics import (
     topic_specs,
 )
 from kvconductor.kernel import STATUS as KERNEL_STATUS
-from kvconductor.lifecycle import FatalError, serve_until_signalled
+from kvconductor.lifecycle import (
+    FatalError,
+    Lifecycle,
+    Phase,
+    serve_until_signalled,
+)
 from kvconductor.obs.metrics import Metrics
 from kvconductor.obs.overflow_log import OverflowLog
 from kvconductor.registry.log import RegistrationLog
@@ -107,7 +113,7 @@ class Daemon:
         self.overflow = OverflowLog()
         self.stopping = asyncio.Event()
         self._stop_by = float("inf")
-        self.status = "starting"
+        self.lifecycle = Lifecycle()
         self.http_port: int | None = None
         self.events: EventConsumer | None = None
         self.publisher: SnapshotPublisher | None = None
@@ -131,8 +137,12 @@ class Daemon:
 
     # ---------------------------------------------------------- readiness
 
+    @property
+    def status(self) -> str:
+        return self.lifecycle.status
+
     def ready(self) -> tuple[bool, str]:
-        if self.status != "running":
+        if not self.lifecycle.running:
             return False, self.status
         if not self._kafka_ok:
             return False, "kafka unavailable"
@@ -175,23 +185,10 @@ class Daemon:
         log.info("http listening", host=http.host, port=self.http_port, query_path=KERNEL_STATUS)
 
     async def _with_backoff(self, what: str, attempt: Any) -> Any:
-        delay = 0.5
-        while True:
-            try:
-                return await attempt()
-            except FatalError:
-                raise
-            except (KafkaError, OSError) as exc:
-                self._kafka_ok = False
-                self.status = f"{what}: kafka unavailable"
-                log.warning(
-                    "kafka unavailable, retrying", step=what, error=str(exc), retry_in_s=delay
-                )
-            if self.stopping.is_set():
-                raise asyncio.CancelledError
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), delay)
-            delay = min(delay * 2, 10.0)
+        def kafka_down(exc: BaseException) -> None:
+            self._kafka_ok = False
+
+        return await until_kafka_answers(what, attempt, self.lifecycle, self.stopping, kafka_down)
 
     async def _start_client(self, what: str, make: Any) -> Any:
         """Start a fresh Kafka client, retrying with a new one until it starts."""
@@ -216,7 +213,7 @@ class Daemon:
             if created:
                 log.info("topics created", topics=created)
 
-        self.status = "creating topics"
+        self.lifecycle.move(Phase.STARTING, "creating topics")
         await self._with_backoff("creating topics", attempt)
         self._kafka_ok = True
 
@@ -245,7 +242,7 @@ class Daemon:
         return read
 
     async def restore_snapshot(self) -> None:
-        self.status = "restoring snapshot"
+        self.lifecycle.move(Phase.RESTORING)
         read = await self.read_snapshot()
         self._restore(read)
         self._state_offsets = dict(read.offsets)
@@ -267,7 +264,7 @@ class Daemon:
 
         def owns(ns: NamespaceKey) -> bool:
             key = group_key(ns.tenant, ns.model, ns.block_size, ns.salt)
-            return group_partition(key, n) in partitions
+            return default_partition(key, n) in partitions
 
         return owns
 
@@ -561,7 +558,7 @@ class Daemon:
                 self.repartitioner.subscribe()
                 stage_one = asyncio.create_task(self._repartition_loop())
             self._kafka_ok = True
-            self.status = "running"
+            self.lifecycle.move(Phase.RUNNING)
             ended = await self._within_grace(self._loop(), "consuming")
             if stage_one is not None:
                 ended = await self._within_grace(stage_one, "repartitioning") and ended
@@ -578,7 +575,7 @@ class Daemon:
             if not self.stopping.is_set():
                 raise
         finally:
-            self.status = "stopping"
+            self.lifecycle.move(Phase.STOPPING)
             self.stop()
             if self._publishing is not None and not self._publishing.done():
                 self._publishing.cancel()  # the last snapshot was given up on
@@ -599,6 +596,7 @@ class Daemon:
             if self._runner is not None:
                 await self._runner.cleanup()
             self.overflow.check(self.conductor.counters, time.monotonic(), force=True)
+            self.lifecycle.move(Phase.STOPPED)
             log.info("stopped")
 
     async def _loop(self) -> None:
@@ -702,8 +700,8 @@ async def run_daemon(cfg: Config) -> int:
     """The `kvconductor run` entry: signals, then the daemon until stopped."""
     # Modules and their objects live as long as the process: frozen out of
     # the collector's reach, the full collections that records keep
-    # triggering no longer walk them (the imports alone took ~18 ms a
-    # collection, in the event loop).
+    # triggering no longer walk them (in the event loop, the imports alone
+    # made each one a pause queries would wait out).
     gc.collect()
     gc.freeze()
     daemon = Daemon(cfg)

@@ -51,6 +51,8 @@ from kvconductor.config import Config, kafka_service_options
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.fleet import Index, IndexLimits
 from kvconductor.kafka.access import check_access
+from kvconductor.kafka.clients import refresh_metadata
+from kvconductor.lifecycle import Lifecycle, Phase
 from kvconductor.obs.metrics import Metrics
 from kvconductor.snapshots.store import SnapshotRead, read_snapshot
 from kvconductor.snapshots.units import (
@@ -103,7 +105,7 @@ class _NoDeadLetters(DeadLetterWriter):
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
     parts = consumer.partitions_for_topic(topic)
     if not parts:
-        await consumer._client.force_metadata_update()
+        await refresh_metadata(consumer)
         parts = consumer.partitions_for_topic(topic)
     if not parts:
         raise ReplicaError(f"topic {topic!r} has no partitions in the broker's metadata")
@@ -156,7 +158,7 @@ class Replica:
         # The generation restored, then the newest applied (follow="snapshots").
         self.generation = 0
         self.restored: SnapshotRead | None = None
-        self.status = "not started"
+        self.lifecycle = Lifecycle(Phase.NOT_STARTED)
         self.error: BaseException | None = None
         self._offsets: dict[TopicPartition, int] = {}
         self._consumer: AIOKafkaConsumer | None = None
@@ -199,12 +201,16 @@ class Replica:
             return self._events.caught_up
         return self._caught_up
 
+    @property
+    def status(self) -> str:
+        return self.lifecycle.status
+
     def ready(self) -> tuple[bool, str]:
         """(ready, reason), for a readiness probe: started, Kafka reachable,
         caught up."""
         if self.error is not None:
             return False, f"failed: {type(self.error).__name__}: {self.error}"
-        if self.status != "running":
+        if not self.lifecycle.running:
             return False, self.status
         if not self._kafka_ok:
             return False, "kafka unavailable"
@@ -258,7 +264,7 @@ class Replica:
             raise ReplicaError("replica already started")
         k = self.cfg.kafka
         await check_access(k)
-        self.status = "restoring snapshot"
+        self.lifecycle.move(Phase.RESTORING)
         consumer = AIOKafkaConsumer(**self._consumer_options("replica"), fetch_max_wait_ms=100)
         try:
             await consumer.start()
@@ -298,7 +304,7 @@ class Replica:
                 else:
                     self._caught_up = True
         except BaseException:
-            self.status = "not started"
+            self.lifecycle.move(Phase.NOT_STARTED)
             self.conductor.index = Index(self.limits)
             self._offsets = {}
             task, self._task = self._task, None
@@ -310,7 +316,7 @@ class Replica:
             self._consumer = None
             self._events = None
             raise
-        self.status = "running"
+        self.lifecycle.move(Phase.RUNNING)
 
     async def stop(self) -> None:
         """Stop following and close the Kafka client (the index stays queryable)."""
@@ -323,8 +329,8 @@ class Replica:
         if consumer is not None:
             with contextlib.suppress(Exception):
                 await consumer.stop()
-        if self.status == "running":
-            self.status = "stopped"
+        if self.lifecycle.running:
+            self.lifecycle.move(Phase.STOPPED)
 
     # ------------------------------------------------------ follow events
 

@@ -8,8 +8,6 @@ router without this server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 
 import structlog
 from aiohttp import web
@@ -18,7 +16,7 @@ from aiokafka.errors import KafkaError
 from kvconductor.config import Config, reveal
 from kvconductor.http.api import make_app
 from kvconductor.http.front import QuerySite
-from kvconductor.kafka.access import KafkaAccessError
+from kvconductor.lifecycle import FatalError, serve_until_signalled, with_backoff
 from kvconductor.registry.log import RegistrationLog
 from kvconductor.service.replica import Follow, Replica, ReplicaError, SnapshotUnusable
 
@@ -33,9 +31,6 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
     backoff while Kafka or the topics are missing; SIGTERM or SIGINT stops it."""
     replica = Replica(cfg, follow=follow)
     stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     http = cfg.http
     # The registrations, read: the same list as the daemon's and the bridges'.
     registrations = (
@@ -54,37 +49,43 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
         client_timeout_s=http.client_timeout_s,
         registrations=registrations,
     )
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        site = QuerySite(runner, http.host, http.port)
-        await site.start()
-        port = site.port
-        log.info("replica http listening", host=http.host, port=port, follow=follow)
-        delay = 0.5
-        started = False
-        while not stopping.is_set():
+
+    async def start() -> None:
+        # The replica first: it checks the credentials, once. Registrations
+        # that fail to load after it runs are retried while it answers.
+        if not replica.lifecycle.running:
             try:
-                if not started:
-                    await replica.start()
-                    started = True
-                if registrations is not None:
-                    await registrations.start()
-                break
-            except (KafkaAccessError, SnapshotUnusable) as exc:
-                log.error(str(exc))
-                return 1
-            except (KafkaError, OSError, ReplicaError) as exc:
-                replica.status = f"waiting for kafka: {exc}"
-                log.warning("replica cannot start yet; retrying", error=str(exc), retry_in_s=delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), delay)
-            delay = min(delay * 2, 10.0)
-        await stopping.wait()
-        log.info("signal received: stopping the replica")
-    finally:
+                await replica.start()
+            except SnapshotUnusable as exc:
+                raise FatalError(str(exc)) from exc
         if registrations is not None:
-            await registrations.stop()
-        await replica.stop()
-        await runner.cleanup()
-    return 1 if replica.error is not None else 0
+            await registrations.start()
+
+    async def serve() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            site = QuerySite(runner, http.host, http.port)
+            await site.start()
+            log.info("replica http listening", host=http.host, port=site.port, follow=follow)
+            await with_backoff(
+                "starting the replica",
+                start,
+                retry_on=(KafkaError, OSError, ReplicaError),
+                lifecycle=replica.lifecycle,
+                waiting=lambda exc: f"waiting for kafka: {exc}",
+                stopping=stopping,
+            )
+            await stopping.wait()
+        except asyncio.CancelledError:
+            if not stopping.is_set():
+                raise
+        finally:
+            if registrations is not None:
+                await registrations.stop()
+            await replica.stop()
+            await runner.cleanup()
+        if replica.error is not None:
+            raise FatalError(f"the replica stopped following: {replica.error}")
+
+    return await serve_until_signalled(serve, stopping.set, "signal received: stopping the replica")

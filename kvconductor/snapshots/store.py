@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from kvconductor.index.block_store import BlockStore
 from kvconductor.index.fleet import Index
 from kvconductor.index.namespace import Dirty, NamespaceKey
+from kvconductor.kafka.clients import refresh_metadata
 from kvconductor.records_first import RecordsFirst
 from kvconductor.snapshots.units import (
     SCHEMA_VERSION,
@@ -393,9 +394,8 @@ class _Copy:
         `ids` and read the offsets: the cut. Records are not applied
         meanwhile (the lock); queries are, now and then. A frozen unit's
         blocks and identities are read after the lock (`CutUnit`): reading
-        them here was most of the final round (at 4.3M entries under full
-        churn the identities ~0.7 s of records waiting, the hashes alone
-        12-60 ms)."""
+        them here was most of the final round, which records wait out
+        (docs/benchmarks.md)."""
         for ns in self.index.namespaces.values():
             ns.store.begin_cut()
             self.cut_stores.append(ns.store)
@@ -433,8 +433,8 @@ class _Copy:
 
     async def encode(self, key: UnitKey, unit: Unit | None) -> None:
         """The unit's records, ready to send (a later export replaces them),
-        with a turn after each chunk: the largest units at 4.3M entries
-        took 13-29 ms in one step, which records waited out."""
+        with a turn after each chunk: the largest units encoded in one step
+        made records wait it out."""
         if unit is None:
             self.records[key] = []
             return
@@ -500,7 +500,7 @@ async def read_snapshot(
     started = time.monotonic()
     partitions = consumer.partitions_for_topic(topic)
     if partitions is None:
-        await consumer._client.force_metadata_update()
+        await refresh_metadata(consumer)
         partitions = consumer.partitions_for_topic(topic) or set()
     tps = [TopicPartition(topic, p) for p in sorted(partitions)]
     consumer.assign(tps)

@@ -49,7 +49,8 @@ from kvconductor.wire.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
 # 2: tiers hold copies, owners their non-primary KV-cache groups (v1 units
 # read as sets without groups: docs/snapshot-format.md).
 SCHEMA_VERSION = 2
-# Packed hashes `completing` reads identities for in one step (~1 ms).
+# Packed hashes `completing` reads identities for in one step: small enough
+# that records waiting for the step do not notice it.
 CUT_PIECE_BYTES = 8 * 16_384
 
 
@@ -122,8 +123,8 @@ class PendingUnit(msgspec.Struct, tag="pending", frozen=True):
     entries: list[PendingEntry]
     # Written before the retired entries were packed; read, never written.
     retired: list[RetiredContent] = []
-    # The retired entries oldest first (`BlockStore.export_retired`): a
-    # list of structs cost a generation's cut 30 ms per 78,000 entries.
+    # The retired entries oldest first (`BlockStore.export_retired`), packed:
+    # a list of structs made a generation's cut grow with every entry.
     retired_seqs: bytes = b""
     retired_idents: bytes = b""
     retired_ts: bytes = b""
@@ -289,8 +290,8 @@ class CutUnit(NamedTuple):
     `completing` reads its hashes and their identities (a random lookup in
     the namespace's catalog each) after the cut, while records apply again,
     from what the store kept as it was at the cut (`BlockStore.begin_cut`,
-    `freeze_owner`). At 4.3M entries reading the hashes at the cut held
-    records for 12-60 ms a generation."""
+    `freeze_owner`). Reading the hashes at the cut held records back for
+    as long as the largest units took (docs/benchmarks.md)."""
 
     store: BlockStore
     unit: OwnerUnit | PoolUnit  # without blocks
@@ -306,8 +307,7 @@ def export_unit_at_cut(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit
 def completing(unit: Unit | CutUnit | None) -> Generator[None, None, Unit | None]:
     """A unit exported at a cut, with the blocks and identities it had
     there, the identities read `CUT_PIECE_BYTES` of packed hashes a step: a
-    pool unit of 265k blocks took 20 ms in one piece, which records waited
-    out. Returns the unit."""
+    large pool unit in one piece made records wait it out. Returns the unit."""
     if not isinstance(unit, CutUnit):
         return unit
     store, part, at = unit

@@ -9,6 +9,32 @@ from kvconductor.wire.errors import InvalidHeader, MissingHeader
 
 Headers = Iterable[tuple[str, bytes]]
 
+# Header names, one spelling for every writer and reader. Contract sections
+# 2 and 3:
+KV_MODEL = "kv-model"
+KV_BLOCK_SIZE = "kv-block-size"
+KV_SOURCE = "kv-source"
+KV_SEQ = "kv-seq"
+KV_TENANT = "kv-tenant"
+KV_SALT = "kv-salt"
+KV_DP_RANK = "kv-dp-rank"
+KV_OFFLOAD = "kv-offload"
+# A bridge's control records (`ControlMeta`):
+KV_CONTROL = "kv-control"
+KV_CONTROL_REASON = "kv-control-reason"
+KV_CONTROL_KIND = "kv-control-kind"
+# Scale-out: what the repartition stage adds to the records it forwards, so
+# that a dead letter names the input record it came from.
+KV_KIND = "kv-kind"
+KV_ORIGIN_KEY = "kv-origin-key"
+KV_ORIGIN_TOPIC = "kv-origin-topic"
+KV_ORIGIN_PARTITION = "kv-origin-partition"
+KV_ORIGIN_OFFSET = "kv-origin-offset"
+REPARTITION_HEADERS = frozenset(
+    {KV_KIND, KV_ORIGIN_KEY, KV_ORIGIN_TOPIC, KV_ORIGIN_PARTITION, KV_ORIGIN_OFFSET}
+)
+KV_PREFIX = "kv-"
+
 
 class Incoming(NamedTuple):
     """One Kafka record on its way in: `pool` for the pool topic's (and the
@@ -52,15 +78,15 @@ CONTROL_ACTIONS = frozenset({"resync"})
 
 
 def control_meta(h: HeaderMap) -> ControlMeta | None:
-    action = h.get("kv-control")
+    action = h.get(KV_CONTROL)
     if action is None:
         return None
     if action not in CONTROL_ACTIONS:
         raise InvalidHeader(f"header kv-control must be one of {sorted(CONTROL_ACTIONS)}")
     return ControlMeta(
         action,
-        _int(h, "kv-dp-rank", 0, _MAX_RANK),
-        h.get("kv-control-reason", ""),
+        _int(h, KV_DP_RANK, 0, _MAX_RANK),
+        h.get(KV_CONTROL_REASON, ""),
     )
 
 
@@ -81,7 +107,7 @@ def header_map(headers: Headers) -> HeaderMap:
     """The record's `kv-*` headers as text, decoded once per record."""
     out: dict[str, str] = {}
     for name, value in headers:
-        if not name.startswith("kv-"):
+        if not name.startswith(KV_PREFIX):
             continue
         try:
             out[name] = value.decode("utf-8") if value is not None else ""
@@ -119,35 +145,35 @@ def _name(h: HeaderMap, name: str) -> str | None:
 
 
 def engine_meta(h: HeaderMap) -> EngineMeta:
-    model = _name(h, "kv-model")
+    model = _name(h, KV_MODEL)
     if not model:
         raise MissingHeader("required header kv-model is missing")
-    block_size = _int(h, "kv-block-size", 1, _MAX_BLOCK_SIZE)
+    block_size = _int(h, KV_BLOCK_SIZE, 1, _MAX_BLOCK_SIZE)
     if block_size is None:
         raise MissingHeader("required header kv-block-size is missing")
-    source = h.get("kv-source", "vllm").lower() or "vllm"
+    source = h.get(KV_SOURCE, "vllm").lower() or "vllm"
     if source not in SOURCES:
         raise InvalidHeader(f"header kv-source must be one of {sorted(SOURCES)}: {source!r}")
-    offload = h.get("kv-offload", "local").lower() or "local"
+    offload = h.get(KV_OFFLOAD, "local").lower() or "local"
     if offload not in OFFLOAD_MODES:
         raise InvalidHeader(f"header kv-offload must be local or pool: {offload!r}")
     return EngineMeta(
         model=model,
         block_size=block_size,
         source=source,
-        seq=_int(h, "kv-seq", 0, _MAX_SEQ),
-        tenant=_name(h, "kv-tenant") or "default",
-        salt=_name(h, "kv-salt") or "",
-        dp_rank=_int(h, "kv-dp-rank", 0, _MAX_RANK) or 0,
+        seq=_int(h, KV_SEQ, 0, _MAX_SEQ),
+        tenant=_name(h, KV_TENANT) or "default",
+        salt=_name(h, KV_SALT) or "",
+        dp_rank=_int(h, KV_DP_RANK, 0, _MAX_RANK) or 0,
         offload_pool=offload == "pool",
     )
 
 
 def pool_meta(h: HeaderMap) -> PoolMeta:
     return PoolMeta(
-        model=_name(h, "kv-model") or None,
-        block_size=_int(h, "kv-block-size", 1, _MAX_BLOCK_SIZE),
-        tenant=_name(h, "kv-tenant") or "default",
-        salt=_name(h, "kv-salt") or "",
-        seq=_int(h, "kv-seq", 0, _MAX_SEQ),
+        model=_name(h, KV_MODEL) or None,
+        block_size=_int(h, KV_BLOCK_SIZE, 1, _MAX_BLOCK_SIZE),
+        tenant=_name(h, KV_TENANT) or "default",
+        salt=_name(h, KV_SALT) or "",
+        seq=_int(h, KV_SEQ, 0, _MAX_SEQ),
     )

@@ -29,6 +29,7 @@ from consumers.dead_letters import DLQ_KIND, DLQ_OFFSET, DLQ_PARTITION, DLQ_TOPI
 from kvconductor.config import Config, KafkaConfig, kafka_client_options
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.kafka.clients import refresh_metadata
 from kvconductor.service.daemon import EXPIRE_EVERY_S
 from kvconductor.service.replica import Replica
 from kvconductor.snapshots.units import UnitKey, export_pending, retired_entries, state_fingerprint
@@ -55,7 +56,7 @@ async def read_topics(k: KafkaConfig, topics: list[str]) -> Partitions:
     )
     await consumer.start()
     try:
-        await consumer._client.force_metadata_update()
+        await refresh_metadata(consumer)
         tps = [
             TopicPartition(topic, p)
             for topic in topics

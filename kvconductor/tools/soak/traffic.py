@@ -38,6 +38,14 @@ from kvconductor.tools.demo.engines import (
     pool_event,
     pool_payload,
 )
+from kvconductor.wire.records import (
+    KV_BLOCK_SIZE,
+    KV_CONTROL,
+    KV_DP_RANK,
+    KV_MODEL,
+    KV_SEQ,
+    KV_SOURCE,
+)
 
 # (topic, partition, offset) of a record in the log.
 Where = tuple[str, int, int]
@@ -127,8 +135,8 @@ class Hostile(NamedTuple):
 
 def _engine_headers(**override: str | None) -> Headers:
     base: dict[str, str | None] = {
-        "kv-model": DEMO_MODEL,
-        "kv-block-size": str(DEMO_BLOCK_SIZE),
+        KV_MODEL: DEMO_MODEL,
+        KV_BLOCK_SIZE: str(DEMO_BLOCK_SIZE),
         **override,
     }
     return [(k, v.encode()) for k, v in base.items() if v is not None]
@@ -183,21 +191,21 @@ def hostile(kind: str, instance: bytes, rng: random.Random) -> Hostile:
         case "tombstone":
             value = None
         case "no-model":
-            headers = _engine_headers(**{"kv-model": None})
+            headers = _engine_headers(**{KV_MODEL: None})
         case "misconfigured-bridge":
-            headers = _engine_headers(**{"kv-block-size": None})
+            headers = _engine_headers(**{KV_BLOCK_SIZE: None})
         case "bad-block-size":
-            headers = _engine_headers(**{"kv-block-size": "16x"})
+            headers = _engine_headers(**{KV_BLOCK_SIZE: "16x"})
         case "zero-block-size":
-            headers = _engine_headers(**{"kv-block-size": "0"})
+            headers = _engine_headers(**{KV_BLOCK_SIZE: "0"})
         case "bad-rank":
-            headers = _engine_headers(**{"kv-dp-rank": "-1"})
+            headers = _engine_headers(**{KV_DP_RANK: "-1"})
         case "bad-seq":
-            headers = _engine_headers(**{"kv-seq": "1e9"})
+            headers = _engine_headers(**{KV_SEQ: "1e9"})
         case "bad-source":
-            headers = _engine_headers(**{"kv-source": "bogus"})
+            headers = _engine_headers(**{KV_SOURCE: "bogus"})
         case "bad-control":
-            value, headers = b"", _engine_headers(**{"kv-control": "explode"})
+            value, headers = b"", _engine_headers(**{KV_CONTROL: "explode"})
         case "no-key":
             key = None
         case "bad-key":
