@@ -94,7 +94,7 @@ async def demo_state(steps: int = 400) -> ApplyingProducer:
 async def test_every_hostile_record_is_rejected_and_changes_nothing() -> None:
     producer = await demo_state()
     conductor = producer.conductor
-    before = state_fingerprint(conductor.index)
+    before = state_fingerprint(conductor.snapshot_state())
     assert before, "the demo traffic built no state"
     rng = random.Random(5)
     kinds: dict[str, str] = {}
@@ -107,7 +107,7 @@ async def test_every_hostile_record_is_rejected_and_changes_nothing() -> None:
         with pytest.raises(BadRecord) as raised:
             ingest(h.key, h.headers, h.value, time.time())
         kinds[kind] = raised.value.kind
-    assert state_fingerprint(conductor.index) == before
+    assert state_fingerprint(conductor.snapshot_state()) == before
     # Every way in is tried: bad payloads, bad headers, bad values.
     assert {"undecodable", "missing_header", "invalid_header", "rejected"} <= set(kinds.values())
 
@@ -190,20 +190,20 @@ def _with_intent(intent_at: float | None) -> Conductor:
         conductor.ingest_engine_record(key, engine_headers(pooled, 1), intent, intent_at)
     later = engine_payload([block_stored([21], None, tokens[:16], "GPU", DEMO_BLOCK_SIZE)], 0, 1)
     conductor.ingest_engine_record(b"vllm-0", engine_headers(other, 0), later, 1100.0)
-    conductor.expire(conductor.index.now)
+    conductor.expire(conductor.now)
     return conductor
 
 
 def test_pending_halves_may_differ_only_at_the_age_cutoff() -> None:
-    plain = _with_intent(None).index
-    at_cutoff = pending_differences(_with_intent(1000.0).index, plain, 100.0, band_s=10.0)
+    plain = _with_intent(None)
+    at_cutoff = pending_differences(_with_intent(1000.0), plain, 100.0, band_s=10.0)
     assert at_cutoff.problems == []
     assert at_cutoff.at_cutoff == 2  # the two blocks' intents, stamped at the cutoff
-    inside = pending_differences(plain, _with_intent(1050.0).index, 100.0, band_s=10.0)
+    inside = pending_differences(plain, _with_intent(1050.0), 100.0, band_s=10.0)
     assert inside.at_cutoff == 0
     assert len(inside.problems) == 2
     assert all("only in the replay" in p and "+50.0 s" in p for p in inside.problems)
-    same = pending_differences(_with_intent(1050.0).index, _with_intent(1050.0).index, 100.0, 10.0)
+    same = pending_differences(_with_intent(1050.0), _with_intent(1050.0), 100.0, 10.0)
     assert same == (([], 0, 2, 0.0))
 
 
