@@ -60,7 +60,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
-from bench.cluster import Record, stored_event
+from bench.cluster import Record
 from bench.dynamo_indexer import Http, query_percentiles
 from bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
@@ -69,6 +69,7 @@ from bench.runners import per_unit
 from bench.workload import Workload
 from kvconductor.bridge.config import BridgeSettings
 from kvconductor.tools.kafka_local import broker as kafka_local
+from kvconductor.wire.encode import vllm_payload, vllm_stored
 
 SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
 # The prequeued figure's poll: its clock starts and stops on a scrape.
@@ -353,13 +354,13 @@ class _Run:
         instance = f"bench-probe-{partition}"
         seq_hash = PROBE_TAG + n
         tokens = [n % 65_536, partition, *range(cfg.block_size - 2)]
-        event = stored_event([seq_hash], None, tokens, "GPU", cfg.block_size)
+        event = vllm_stored([seq_hash], None, tokens, "GPU", cfg.block_size)
         headers = [
             ("kv-model", cfg.model.encode()),
             ("kv-block-size", str(cfg.block_size).encode()),
             ("kv-source", b"vllm"),
         ]
-        payload = msgspec.msgpack.encode([ts, [event], 0])
+        payload = vllm_payload([event], 0, ts)
         return Record(False, instance.encode(), headers, payload, ts, 1, 1), seq_hash, instance
 
     async def _visible(self, probes: _ProbeClient, probe: _Probe) -> bool:

@@ -32,15 +32,14 @@ from kvconductor.tools.demo.engines import (
     DEMO_MODEL,
     KafkaSink,
     Traffic,
-    block_removed,
     block_stored,
     default_fleet,
     engine_headers,
-    engine_payload,
 )
 from kvconductor.tools.soak.check import dead_letters, lost, pending_differences, replay
 from kvconductor.tools.soak.run import FAULT_KINDS
 from kvconductor.tools.soak.traffic import HOSTILE_KINDS, SlowEvictingLru, hostile, record_digest
+from kvconductor.wire.encode import vllm_payload, vllm_removed
 from kvconductor.wire.errors import BadRecord
 from kvconductor.wire.query import TokenQuery
 from tests.test_cli import REPO, kvconductor
@@ -120,8 +119,8 @@ def _hits(conductor: Conductor, tokens: list[int]) -> int:
 def test_replay_keeps_each_partition_in_order_whatever_the_timestamps() -> None:
     spec = default_fleet()[0]
     tokens = list(range(2 * DEMO_BLOCK_SIZE))
-    store = engine_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1.0)
-    remove = engine_payload([block_removed([11, 12], "GPU")], 0, 2.0)
+    store = vllm_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1.0)
+    remove = vllm_payload([vllm_removed([11, 12], "GPU")], 0, 2.0)
     bad = hostile("garbage", spec.instance.encode(), random.Random(1))
     key = spec.instance.encode()
     partition = [  # stored, then removed: but the removal carries the older timestamp
@@ -182,13 +181,13 @@ def _with_intent(intent_at: float | None) -> Conductor:
     conductor = Conductor(IndexLimits(max_pending_age_s=100.0))
     pooled, other = default_fleet()[4], default_fleet()[0]
     tokens = list(range(2 * DEMO_BLOCK_SIZE))
-    stored = engine_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1)
+    stored = vllm_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1)
     key = pooled.instance.encode()
     conductor.ingest_engine_record(key, engine_headers(pooled, 0), stored, 1000.0)
     if intent_at is not None:
-        intent = engine_payload([block_stored([11, 12], None, [], "CPU", DEMO_BLOCK_SIZE)], 0, 1)
+        intent = vllm_payload([block_stored([11, 12], None, [], "CPU", DEMO_BLOCK_SIZE)], 0, 1)
         conductor.ingest_engine_record(key, engine_headers(pooled, 1), intent, intent_at)
-    later = engine_payload([block_stored([21], None, tokens[:16], "GPU", DEMO_BLOCK_SIZE)], 0, 1)
+    later = vllm_payload([block_stored([21], None, tokens[:16], "GPU", DEMO_BLOCK_SIZE)], 0, 1)
     conductor.ingest_engine_record(b"vllm-0", engine_headers(other, 0), later, 1100.0)
     conductor.expire(conductor.now)
     return conductor
