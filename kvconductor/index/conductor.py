@@ -114,17 +114,16 @@ class Conductor:
         something to say (most records have none)."""
         notices: list[Notice] = []
         lane = self.lane
-        if lane is not None and not isinstance(records, list):
-            records = list(records)
-        i, n = 0, len(records)
+        batch = records if isinstance(records, list) else list(records)  # the lane takes lists
+        i, n = 0, len(batch)
         while i < n:
             if lane is not None:
-                stop = lane.run(records, i)
+                stop = lane.run(batch, i)
                 notices += [Notice(at, Applied(b, missing), None) for at, b, missing in stop.gaps]
                 if not stop.python:
                     break
                 i = stop.at
-            rec = records[i]
+            rec = batch[i]
             notice = self._ingest_one(i, rec)
             if notice is not None:
                 notices.append(notice)
