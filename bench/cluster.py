@@ -17,11 +17,13 @@ from __future__ import annotations
 import random
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
+
+from kvconductor.wire.encode import VllmEvent, vllm_payload, vllm_removed, vllm_stored
 
 # A block of a prompt: (engine sequence hash, contract local hash, identity).
 Block = tuple[int, int, int]
@@ -135,35 +137,17 @@ def _lru_admit(
     return added, evicted
 
 
-def stored_event(
-    seqs: list[int], parent: int | None, tokens: list[int], medium: str, bs: int
-) -> dict[str, object]:
-    """A vLLM 0.33 `BlockStored` map, fields in the engine's order."""
-    return {
-        "type": "BlockStored",
-        "block_hashes": seqs,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": bs,
-        "lora_id": None,
-        "medium": medium,
-        "lora_name": None,
-        "group_idx": 0,
-        "kv_cache_spec_kind": "full_attention",
-    }
-
-
 def engine_record(
     key: bytes,
     headers: list[tuple[str, bytes]],
     seq: int,
-    events: list[dict[str, object]],
+    events: Sequence[VllmEvent],
     ts: float,
     blocks: int,
 ) -> Record:
     """One engine-topic record: the instance's headers and its `kv-seq`."""
     headers = [*headers, ("kv-seq", str(seq).encode())]
-    return Record(False, key, headers, _mp([ts, events, 0]), ts, blocks, len(events))
+    return Record(False, key, headers, vllm_payload(events, 0, ts), ts, blocks, len(events))
 
 
 def dynamo_stored(event_id: int, parent: int | None, blocks: Iterable[tuple[int, int]]) -> bytes:
@@ -185,11 +169,6 @@ def dynamo_stored(event_id: int, parent: int | None, blocks: Iterable[tuple[int,
 def dynamo_removed(event_id: int, seqs: list[int]) -> bytes:
     """Dynamo's JSON for removed blocks."""
     return _js({"event_id": event_id, "data": {"removed": {"block_hashes": seqs}}, "dp_rank": 0})
-
-
-def removed_event(seqs: list[int], medium: str) -> dict[str, object]:
-    """A vLLM 0.33 `BlockRemoved` map."""
-    return {"type": "BlockRemoved", "block_hashes": seqs, "medium": medium, "group_idx": 0}
 
 
 class Cluster:
@@ -254,12 +233,12 @@ class Cluster:
         seqs = [b[0] for b in blocks]
         added, evicted = _lru_admit(inst.gpu, seqs, self.gpu_blocks)
         self.evicted_gpu += len(evicted)
-        events: list[dict[str, object]] = []
-        device: list[dict[str, object]] = []
+        events: list[VllmEvent] = []
+        device: list[VllmEvent] = []
         dyn: list[tuple[bytes, int]] = []
         nblocks = 0
         if evicted:
-            ev = removed_event(evicted, "GPU")
+            ev: VllmEvent = vllm_removed(evicted, "GPU")
             events.append(ev)
             device.append(ev)
             dyn.append((self._dynamo_removed(evicted), len(evicted)))
@@ -280,7 +259,7 @@ class Cluster:
                 run = blocks[i:j]
                 parent = blocks[i - 1][0] if i else None
                 run_seqs = [b[0] for b in run]
-                ev = stored_event(run_seqs, parent, tokens[i * bs : j * bs].tolist(), "GPU", bs)
+                ev = vllm_stored(run_seqs, parent, tokens[i * bs : j * bs].tolist(), "GPU", bs)
                 events.append(ev)
                 device.append(ev)
                 dyn.append((self._dynamo_stored(parent, run), len(run)))
@@ -292,16 +271,16 @@ class Cluster:
             backend = self.backends[inst.index % len(self.backends)]
             offload = [s for s in seqs if s not in backend.blocks]
             if offload:
-                events.append(stored_event(offload, None, [], "CPU", bs))
+                events.append(vllm_stored(offload, None, [], "CPU", bs))
                 nblocks += len(offload)
         else:
             offload = []
             host_added, host_evicted = _lru_admit(inst.host, seqs, self.host_blocks)
             if host_evicted:
-                events.append(removed_event(host_evicted, "CPU"))
+                events.append(vllm_removed(host_evicted, "CPU"))
                 nblocks += len(host_evicted)
             if host_added:
-                events.append(stored_event(host_added, None, [], "CPU", bs))
+                events.append(vllm_stored(host_added, None, [], "CPU", bs))
                 nblocks += len(host_added)
         pool_record = self._confirm(backend, offload, ts) if offload else None
         if pool_record is not None and self.rng.random() < self.confirm_first:
@@ -318,7 +297,13 @@ class Cluster:
             dev_blocks = len(evicted) + len(stored_seqs)
             self.streams.device_records.append(
                 Record(
-                    False, inst.key, inst.headers, _mp([ts, device, 0]), ts, dev_blocks, len(device)
+                    False,
+                    inst.key,
+                    inst.headers,
+                    vllm_payload(device, 0, ts),
+                    ts,
+                    dev_blocks,
+                    len(device),
                 )
             )
             for payload, count in dyn:

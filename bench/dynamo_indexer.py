@@ -36,15 +36,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import raw_http
-from bench.cluster import Record, stored_event
+from bench.cluster import Record
 from bench.measure import percentile, process_cpu_s
 from bench.workload import Workload
 from kvconductor.tools.kafka_local import broker as kafka_local
+from kvconductor.wire.encode import vllm_payload, vllm_stored
 
 THREADS = 4  # the indexer's default (a ThreadPoolIndexer)
 SCRAPE_S = 0.01
@@ -154,8 +154,8 @@ class _Publishers:
 def _probe(key: bytes, block_size: int) -> tuple[list[int], bytes]:
     """A one-block store of tokens no workload prompt has: its prompt and payload."""
     tokens = [PROBE_TOKEN + _worker(key)] * block_size
-    event = stored_event([(1 << 62) + _worker(key)], None, tokens, "GPU", block_size)
-    return tokens, msgspec.msgpack.encode([0.0, [event], 0])
+    event = vllm_stored([(1 << 62) + _worker(key)], None, tokens, "GPU", block_size)
+    return tokens, vllm_payload([event], 0, 0.0)
 
 
 def _connect(http_: Http, pubs: _Publishers, model: str, block_size: int) -> None:

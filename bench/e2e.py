@@ -60,7 +60,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
-from bench.cluster import Record, stored_event
+from bench.cluster import Record
 from bench.dynamo_indexer import RATE_CLIENTS, RATE_REQUESTS, Http, query_percentiles
 from bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
@@ -69,6 +69,7 @@ from bench.runners import per_unit
 from bench.workload import Workload
 from kvconductor.bridge.config import BridgeSettings
 from kvconductor.tools.kafka_local import broker as kafka_local
+from kvconductor.wire.encode import vllm_payload, vllm_stored
 from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_SOURCE
 
 SCRAPE_S = 0.05  # /metrics poll while waiting for the daemon to catch up
@@ -354,13 +355,13 @@ class _Run:
         instance = f"bench-probe-{partition}"
         seq_hash = PROBE_TAG + n
         tokens = [n % 65_536, partition, *range(cfg.block_size - 2)]
-        event = stored_event([seq_hash], None, tokens, "GPU", cfg.block_size)
+        event = vllm_stored([seq_hash], None, tokens, "GPU", cfg.block_size)
         headers = [
             (KV_MODEL, cfg.model.encode()),
             (KV_BLOCK_SIZE, str(cfg.block_size).encode()),
             (KV_SOURCE, b"vllm"),
         ]
-        payload = msgspec.msgpack.encode([ts, [event], 0])
+        payload = vllm_payload([event], 0, ts)
         return Record(False, instance.encode(), headers, payload, ts, 1, 1), seq_hash, instance
 
     async def _visible(self, probes: _ProbeClient, probe: _Probe) -> bool:

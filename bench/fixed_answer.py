@@ -28,12 +28,13 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from bench.cluster import Record, dynamo_stored, engine_record, stored_event
+from bench.cluster import Record, dynamo_stored, engine_record
 from bench.measure import forked, summary
 from bench.peers import KvconductorPeer, Peer, make_peer, peer_items
 from bench.report import cpu_probe_ms, fixed_ok
 from bench.runners import device_answers, sync, timed_rounds
 from bench.workload import Tokens, Workload
+from kvconductor.wire.encode import vllm_stored
 from kvconductor.wire.hashing import BASE_SEED
 from kvconductor.wire.records import KV_OFFLOAD, KV_SEQ
 
@@ -132,9 +133,9 @@ class Filler:
         for _ in range(chains):
             owner, seqs, head = self._chain()
             tokens = head.tolist() + self.tail
-            events = [stored_event(seqs, None, tokens, "GPU", self.bs)]
+            events = [vllm_stored(seqs, None, tokens, "GPU", self.bs)]
             if owner.local:
-                events.append(stored_event(seqs, None, [], "CPU", self.bs))
+                events.append(vllm_stored(seqs, None, [], "CPU", self.bs))
             owner.seq += 1
             yield engine_record(
                 owner.key, owner.headers, owner.seq, events, self.ts, len(events) * CHAIN

@@ -118,12 +118,7 @@ class KvconductorPeer:
 
     def entries(self) -> int:
         """(block, owner) entries held: owner tiers and pool stores."""
-        n = 0
-        for ns in self.conductor.index.namespaces.values():
-            for ranks in ns.owners.values():
-                n += sum(ns.store.owner_size(o.slot) for o in ranks.values())
-            n += sum(ns.store.pool_len(s.pid) for s in ns.pools.values())
-        return n
+        return self.conductor.entries()
 
 
 class DynamoPeer:

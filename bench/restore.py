@@ -90,8 +90,8 @@ async def _publish(conductor: Conductor, bootstrap: str, topic: str) -> dict[str
     await producer.start()
     try:
         publisher = SnapshotPublisher(producer, topic, "kvc-bench")
-        publisher.mark_all_dirty(conductor.index)
-        stats = await publisher.publish(conductor.index, {})
+        publisher.mark_all_dirty(conductor)
+        stats = await publisher.publish(conductor, {})
     finally:
         await producer.stop()
     return {

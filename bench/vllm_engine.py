@@ -54,8 +54,6 @@ from bench.cluster import (
     dynamo_removed,
     dynamo_stored,
     engine_record,
-    removed_event,
-    stored_event,
 )
 from bench.workload import (
     BlockChain,
@@ -66,6 +64,7 @@ from bench.workload import (
     random_tokens,
     zipf,
 )
+from kvconductor.wire.encode import VllmEvent, vllm_removed, vllm_stored
 from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_SOURCE
 
 # One engine step, in seconds of the simulated clock (the fixture's).
@@ -229,7 +228,7 @@ class Engine:
         self.rejected = 0
         # The step's events, and the same as (parent, blocks) stores and
         # removed hashes for the peers that take another format.
-        self.events: list[dict[str, object]] = []
+        self.events: list[VllmEvent] = []
         self.ops: list[tuple[int | None, list[Block]] | int] = []
 
     def add(self, req: Request) -> bool:
@@ -245,7 +244,7 @@ class Engine:
 
     def _removed(self, h: int) -> None:
         self.evicted += 1
-        self.events.append(removed_event([h], "GPU"))
+        self.events.append(vllm_removed([h], "GPU"))
         self.ops.append(h)
 
     def _stored(self, req: Request, start: int, end: int) -> None:
@@ -254,7 +253,7 @@ class Engine:
         bs = self.cfg.block_size
         parent = req.blocks[start - 1][0] if start else None
         toks = req.tokens[start * bs : end * bs].tolist()
-        self.events.append(stored_event([b[0] for b in run], parent, toks, "GPU", bs))
+        self.events.append(vllm_stored([b[0] for b in run], parent, toks, "GPU", bs))
         self.ops.append((parent, run))
 
     # ---------------------------------------------------------- the step
@@ -288,7 +287,7 @@ class Engine:
         self.preemptions += 1
         return victim
 
-    def step(self) -> list[dict[str, object]]:
+    def step(self) -> list[VllmEvent]:
         """One scheduler step; its events (maybe none)."""
         self.events = []
         self.ops = []
@@ -530,7 +529,7 @@ class VllmFleet:
             engine.finished.clear()
         self.steps += 1
 
-    def _emit(self, i: int, engine: Engine, events: list[dict[str, object]], ts: float) -> None:
+    def _emit(self, i: int, engine: Engine, events: list[VllmEvent], ts: float) -> None:
         self.seqs[i] += 1
         blocks = 0
         removed: list[int] = []

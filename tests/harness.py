@@ -24,6 +24,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from kvconductor.config import Config, load_config
 from kvconductor.index.conductor import Incoming
 from kvconductor.service.daemon import Daemon
+from kvconductor.wire.encode import VllmBlockRemoved, VllmBlockStored
+from kvconductor.wire.encode import vllm_payload as vllm_payload  # the tests' engine payloads
 
 # The fixtures the tests read live in the repository (tests/fixtures/README.md).
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,11 +130,6 @@ def engine_headers(model: str = "m", block_size: int = 4, **extra: str) -> list[
     return [(k, v.encode()) for k, v in headers.items()]
 
 
-def vllm_payload(events: list[dict[str, Any]], rank: int | None = 0, ts: float = 1.0) -> bytes:
-    """A vLLM 0.33 (tagged map) payload."""
-    return msgspec.msgpack.encode([ts, events, rank])
-
-
 def stored(
     hashes: list[int],
     tokens: list[int] | None,
@@ -140,20 +137,14 @@ def stored(
     medium: str = "GPU",
     block_size: int = 4,
 ) -> dict[str, Any]:
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": block_size,
-        "lora_id": None,
-        "medium": medium,
-        "lora_name": None,
-    }
+    """A vLLM 0.33 `BlockStored` without a KV-cache group, as a map a test
+    may change (`vllm_payload` takes maps and events alike)."""
+    ev = VllmBlockStored(hashes, parent, tokens, block_size, None, medium, None)
+    return msgspec.to_builtins(ev, builtin_types=(bytes,))
 
 
 def removed(hashes: list[int], medium: str = "GPU") -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+    return msgspec.to_builtins(VllmBlockRemoved(hashes, medium), builtin_types=(bytes,))
 
 
 def pool_payload(events: list[dict[str, Any]], ts: float = 1.0) -> bytes:

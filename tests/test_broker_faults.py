@@ -287,7 +287,7 @@ def held(daemon: Daemon) -> Held:
     queries in every few records), and callers read until it stands still."""
     applied = daemon.events.applied_offsets if daemon.events is not None else {}
     offsets = {tp: o for tp, o in applied.items() if o}
-    return offsets, state_fingerprint(daemon.conductor.index)
+    return offsets, state_fingerprint(daemon.conductor.snapshot_state())
 
 
 async def answers(port: int) -> list[tuple[int, Any]]:
@@ -372,7 +372,7 @@ async def check_outcome(run: Run, daemon: Daemon, outages: list[Outage]) -> dict
 
     await wait_for(applied_all, 120, "the daemon to apply the whole stream")
     records, want = await stream_in_topics(run)
-    want_fp = state_fingerprint(want.index)
+    want_fp = state_fingerprint(want.snapshot_state())
     assert fingerprint_diff(held(daemon)[1], want_fp) == []
     assert await answers(daemon_port(daemon)) == expected_answers(want)
     assert fingerprint_diff(await snapshot_at(run, ends), want_fp) == []
@@ -384,7 +384,7 @@ async def check_outcome(run: Run, daemon: Daemon, outages: list[Outage]) -> dict
             r for r in records if r.offset < offsets.get(TopicPartition(r.topic, r.partition), 0)
         ]
         had = oracle_from_kafka(prefix, run.cfg.kafka.pool_topic)
-        assert fingerprint_diff(during_fp, state_fingerprint(had.index)) == []
+        assert fingerprint_diff(during_fp, state_fingerprint(had.snapshot_state())) == []
         assert outage.answers == expected_answers(had)
         held_during.append(len(prefix))
     return {"records": len(records), "applied before the outage": held_during}
@@ -404,7 +404,9 @@ async def stream_in_topics(run: Run) -> tuple[list[Any], Any]:
     assert (lost, duplicated, out_of_order) == (0, 0, 0)
     want = oracle_from_kafka(records, run.cfg.kafka.pool_topic)
     engine, pool = mixed_stream(SEED, STEPS)
-    assert state_fingerprint(want.index) == state_fingerprint(oracle(engine, pool).index)
+    assert state_fingerprint(want.snapshot_state()) == state_fingerprint(
+        oracle(engine, pool).snapshot_state()
+    )
     return records, want
 
 
@@ -416,7 +418,7 @@ async def snapshot_at(run: Run, ends: dict[TopicPartition, int]) -> dict[UnitKey
     async def at_end() -> bool:
         nonlocal restored
         async with Replica(run.cfg, follow="none") as replica:
-            restored = state_fingerprint(replica.index)
+            restored = state_fingerprint(replica.conductor.snapshot_state())
             return {tp: o for tp, o in replica.offsets().items() if o} == ends
 
     await wait_for(at_end, 60, "a snapshot generation of the whole stream")

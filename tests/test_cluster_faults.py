@@ -475,6 +475,9 @@ async def test_broker_and_daemon_faults_on_a_cluster(
         assert watch.unanswered == 0
         # Its final generation holds its whole state: a replica rebuilt from it.
         assert lives.kill(signal.SIGTERM) == 0
-        assert fingerprint_diff(await snapshot_at(run, ends), state_fingerprint(want.index)) == []
+        assert (
+            fingerprint_diff(await snapshot_at(run, ends), state_fingerprint(want.snapshot_state()))
+            == []
+        )
     figures.ready_after["daemon SIGKILL + restart during the fault"] = restarts
     figures.report("broker faults with daemon SIGKILLs on three nodes")

@@ -75,7 +75,7 @@ async def test_compaction_keeps_about_one_record_per_live_unit(kafka_bootstrap: 
     finally:
         await admin.close()
     engine, pool = mixed_stream(31, 4000)
-    want = state_fingerprint(oracle(engine, pool).index)
+    want = state_fingerprint(oracle(engine, pool).snapshot_state())
     # A pool removal of a backend that holds nothing: the offsets move (a tiny
     # generation follows, which rolls the previous segment so the cleaner can
     # take it) and the state does not.
@@ -97,7 +97,7 @@ async def test_compaction_keeps_about_one_record_per_live_unit(kafka_bootstrap: 
             60,
             "everything applied and published",
         )
-        assert fingerprint_diff(state_fingerprint(daemon.conductor.index), want) == []
+        assert fingerprint_diff(state_fingerprint(daemon.conductor.snapshot_state()), want) == []
         assert daemon.publisher is not None
         generations = daemon.publisher.generation
         live = sum(daemon.publisher.published.values())
@@ -124,7 +124,9 @@ async def test_compaction_keeps_about_one_record_per_live_unit(kafka_bootstrap: 
         assert records <= live + 10, (records, live)
         # Restore from the compacted topic: a replica, then the daemon itself.
         async with Replica(cfg, follow="none") as replica:
-            assert fingerprint_diff(state_fingerprint(replica.index), want) == []
+            assert (
+                fingerprint_diff(state_fingerprint(replica.conductor.snapshot_state()), want) == []
+            )
     async with running(cfg) as daemon:
         await wait_for(lambda: daemon.ready()[0], 60, "restarted daemon ready")
-        assert fingerprint_diff(state_fingerprint(daemon.conductor.index), want) == []
+        assert fingerprint_diff(state_fingerprint(daemon.conductor.snapshot_state()), want) == []

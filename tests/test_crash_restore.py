@@ -177,8 +177,10 @@ async def test_sigkill_at_random_points_loses_nothing_and_applies_nothing_twice(
         ends = await end_offsets(kafka_bootstrap, [k.engine_topic, k.pool_topic])
         records = await read_topics(kafka_bootstrap, [k.engine_topic, k.pool_topic])
         want = oracle_from_kafka(records, k.pool_topic)
-        assert state_fingerprint(want.index) == state_fingerprint(oracle(engine, pool).index)
-        want_fp = state_fingerprint(want.index)
+        assert state_fingerprint(want.snapshot_state()) == state_fingerprint(
+            oracle(engine, pool).snapshot_state()
+        )
+        want_fp = state_fingerprint(want.snapshot_state())
 
         async def ready() -> bool:
             try:
@@ -194,11 +196,11 @@ async def test_sigkill_at_random_points_loses_nothing_and_applies_nothing_twice(
 
         await wait_for(follower_at_end, 60, "a generation reflecting the whole stream")
         problems: dict[str, Any] = {}
-        got = state_fingerprint(follower.index)
+        got = state_fingerprint(follower.conductor.snapshot_state())
         if fingerprint_diff(got, want_fp):
             problems["snapshot follower"] = explain(got, want_fp)
         async with Replica(cfg, follow="none") as fresh:
-            restored = state_fingerprint(fresh.index)
+            restored = state_fingerprint(fresh.conductor.snapshot_state())
         if fingerprint_diff(restored, want_fp):
             problems["restored from the snapshot topic"] = explain(restored, want_fp)
         hits = 0
@@ -228,7 +230,7 @@ async def test_sigkill_at_random_points_loses_nothing_and_applies_nothing_twice(
     for follow in ("none", "events"):
         async with Replica(cfg, follow=follow) as replica:  # type: ignore[arg-type]
             await replica.wait_caught_up(30)
-            diff = fingerprint_diff(state_fingerprint(replica.index), want_fp)
+            diff = fingerprint_diff(state_fingerprint(replica.conductor.snapshot_state()), want_fp)
             assert diff == [], f"follow={follow} replica differs: {diff[:8]}"
             assert {tp: o for tp, o in replica.offsets().items() if o} == ends
     phases = lives.phases()

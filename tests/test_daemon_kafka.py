@@ -192,13 +192,15 @@ async def test_restart_resumes_from_snapshot_exactly(kafka_bootstrap: str) -> No
         await produce(kafka_bootstrap, cfg.kafka.pool_topic, pool[half_p:])
 
         def converged() -> bool:
-            return state_fingerprint(daemon.conductor.index) == state_fingerprint(oracle.index)
+            return state_fingerprint(daemon.conductor.snapshot_state()) == state_fingerprint(
+                oracle.snapshot_state()
+            )
 
         try:
             await wait_for(converged, 60, "same state as an uninterrupted run")
         except AssertionError:
-            got = state_fingerprint(daemon.conductor.index)
-            want = state_fingerprint(oracle.index)
+            got = state_fingerprint(daemon.conductor.snapshot_state())
+            want = state_fingerprint(oracle.snapshot_state())
             diff = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
             raise AssertionError(f"units differ: {diff[:10]}") from None
         port = daemon.http_port

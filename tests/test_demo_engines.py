@@ -8,6 +8,8 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
+
 from kvconductor.index.conductor import Conductor
 from kvconductor.tools.demo.engines import (
     DEMO_BLOCK_SIZE,
@@ -102,7 +104,8 @@ def test_sample_queries_hit_with_tiers_in_order() -> None:
 def test_engine_evicts_leaves_first_and_offloads() -> None:
     engine = SimEngine(EngineSpec("e", 0, "local", gpu_blocks=4, cpu_blocks=2), 4)
     tokens = list(range(4 * 6))  # six blocks: two more than the GPU holds
-    events, offloaded = engine.serve(tokens)
+    served, offloaded = engine.serve(tokens)
+    events = msgspec.to_builtins(served, builtin_types=(bytes,))  # as the engine sends them
     hashes = engine.hashes(tokens)
     kinds = [(e["type"], e["medium"]) for e in events]
     assert kinds == [

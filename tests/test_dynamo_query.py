@@ -191,7 +191,7 @@ async def test_lora_blocks_match_under_the_lora_seed(make_client: MakeClient) ->
         block_size=BS,
         lora_name="adapter-a",
     )
-    conductor.index.apply_engine("vllm-0", meta(), EngineBatch(1.0, [event], 0), 1.0)
+    conductor.snapshot_state().apply_engine("vllm-0", meta(), EngineBatch(1.0, [event], 0), 1.0)
     client = await make_client(conductor)
     lora = dynamo_hashes(TOKENS, lora_seed("adapter-a"))
     status, answer, _ = await post_json(client, PATH, body(lora))
@@ -353,9 +353,12 @@ async def test_a_restored_index_learns_the_map_again(make_client: MakeClient) ->
     # block (its identity is its local hash), then all of it once stored again.
     source = Conductor(ON)
     store(source, "vllm-0", 0, 3, None)
-    units = dict(export_unit(source.index, kind, uid) for kind, uid in all_unit_ids(source.index))
+    units = dict(
+        export_unit(source.snapshot_state(), kind, uid)
+        for kind, uid in all_unit_ids(source.snapshot_state())
+    )
     restored = Conductor(ON)
-    restore(restored.index, {k: u for k, u in units.items() if u is not None})
+    restore(restored.snapshot_state(), {k: u for k, u in units.items() if u is not None})
     client = await make_client(restored)
     assert await device_hits(client) == {(worker_id("vllm-0"), 0): 1}
     assert restored.query_ranks(TokenQuery(model="m", block_size=BS, token_ids=TOKENS)) == {

@@ -39,7 +39,7 @@ MASK64 = (1 << 64) - 1
 
 
 def _state(c: Conductor, notices: list[Notice]) -> dict[str, Any]:
-    index = c.index
+    index = c.snapshot_state()
     return {
         "fingerprint": state_fingerprint(index),
         "counters": +index.counters,
@@ -220,7 +220,9 @@ class _Fleet:
 
     def held(self, owner: tuple[str, str, int], tier: int = DEVICE) -> set[int]:
         inst, model, rank = owner
-        ns = self.truth.index.namespaces.get(namespace_key("default", model, BS, None, ""))
+        ns = self.truth.snapshot_state().namespaces.get(
+            namespace_key("default", model, BS, None, "")
+        )
         o = ns.owners.get(inst, {}).get(rank) if ns is not None else None
         if o is None:
             return set()
@@ -342,5 +344,5 @@ def test_a_direct_record_in_between_is_seen() -> None:
                     c.ingest_engine_record(rec.key, rec.headers, rec.value, rec.now)
         c.remove_instance("e1")
         c.ingest(records[150:])
-    assert state_fingerprint(lane.index) == state_fingerprint(ref.index)
-    assert +lane.index.counters == +ref.index.counters
+    assert state_fingerprint(lane.snapshot_state()) == state_fingerprint(ref.snapshot_state())
+    assert +lane.snapshot_state().counters == +ref.snapshot_state().counters

@@ -168,7 +168,10 @@ async def test_absurd_records_are_applied_or_dead_lettered_and_good_ones_apply(
 
         await wait_for(all_dead_letters, 120, f"{len(expected)} dead letters")
         await wait_for(
-            lambda: state_fingerprint(daemon.conductor.index) == state_fingerprint(oracle.index),
+            lambda: (
+                state_fingerprint(daemon.conductor.snapshot_state())
+                == state_fingerprint(oracle.snapshot_state())
+            ),
             60,
             "the oracle's state",
         )

@@ -531,10 +531,12 @@ def outcome(conductor: Conductor, rec: Record) -> str:
 
 def ingest(conductor: Conductor, rec: Record) -> str:
     """`outcome`, and a rejected record must leave no trace (no partial apply)."""
-    before = state(conductor.index)
+    before = state(conductor.snapshot_state())
     kind = outcome(conductor, rec)
     if kind != "applied":
-        assert state(conductor.index) == before, f"partial apply by a rejected record ({kind})"
+        assert state(conductor.snapshot_state()) == before, (
+            f"partial apply by a rejected record ({kind})"
+        )
     return kind
 
 
@@ -770,7 +772,7 @@ def test_group_indexes_above_max_group_idx_are_rejected(form: str, tag: str) -> 
             ev["kv_cache_spec_kind"] = "sliding_window"
         rec = engine_record(b"i0", [ev if form == "map" else as_array(ev)])
         assert ingest(conductor, rec) == want
-    assert all(len(s.groups) <= 1 for s in conductor.index.instances.values())
+    assert all(len(s.groups) <= 1 for s in conductor.snapshot_state().instances.values())
 
 
 def _spliced(ev: dict[str, Any], field: str, depth: int) -> bytes:
@@ -807,7 +809,7 @@ def test_a_million_tokens_decode_and_apply() -> None:
     # block); one id out of range, anywhere in a million, rejects the record.
     for bad, want in (([*tokens, 1], "applied"), ([*tokens[:-1], U32_MAX + 1], "rejected")):
         assert ingest(conductor, engine_record(b"i1", [stored([1], bad)])) == want
-    check_consistent(conductor.index)
+    check_consistent(conductor.snapshot_state())
 
 
 # ------------------------------------------------------------------ 2. core
@@ -834,13 +836,13 @@ def run_stream(limits: IndexLimits, items: list[int | Record]) -> None:
     conductor = Conductor(limits)
     for rec in recs:
         event(f"record: {ingest(conductor, rec)}")
-        check_consistent(conductor.index)
-    probe_queries(conductor.index)
+        check_consistent(conductor.snapshot_state())
+    probe_queries(conductor.snapshot_state())
     # Time passes: every pending half ages out, then the content it retired.
     for later in (1e16, 2e16):
         conductor.expire(max(r.now for r in recs) + later)
-        check_consistent(conductor.index)
-    assert all(_drained(ns) for ns in conductor.index.namespaces.values())
+        check_consistent(conductor.snapshot_state())
+    assert all(_drained(ns) for ns in conductor.snapshot_state().namespaces.values())
 
 
 @pytest.mark.parametrize("limits", FUZZ_LIMITS)
@@ -878,13 +880,13 @@ def test_parent_cycles_terminate_join_and_age_out(events: list[Any], offload: st
     for ev in events:
         rec = engine_record(b"i0", [{**ev, "medium": medium}], offload=offload)
         assert ingest(conductor, rec) == "applied"
-        check_consistent(conductor.index)
-    (ns,) = conductor.index.namespaces.values()
+        check_consistent(conductor.snapshot_state())
+    (ns,) = conductor.snapshot_state().namespaces.values()
     assert ns.unresolved  # all of it waits for a parent
     for h in (A, B, C):  # content for each member in turn, from the root
         rec = engine_record(b"i1", [stored([h], [h, h])], now=1001.0)
         assert ingest(conductor, rec) == "applied"
-        check_consistent(conductor.index)
+        check_consistent(conductor.snapshot_state())
     assert not ns.unresolved and not ns.children
     if offload == "local":
         answer = conductor.query(HashQuery("m", BS, [A]))["default"]
@@ -893,8 +895,8 @@ def test_parent_cycles_terminate_join_and_age_out(events: list[Any], offload: st
         assert conductor.pending()["intents"]  # resolved, so pinned for the pool
     for later in (1e6, 2e6):
         conductor.expire(later)
-        check_consistent(conductor.index)
-    assert all(_drained(ns) for ns in conductor.index.namespaces.values())
+        check_consistent(conductor.snapshot_state())
+    assert all(_drained(ns) for ns in conductor.snapshot_state().namespaces.values())
 
 
 def test_a_deep_chain_delivered_child_first_resolves_without_recursion() -> None:
@@ -911,7 +913,7 @@ def test_a_deep_chain_delivered_child_first_resolves_without_recursion() -> None
     root = stored(list(range(100)), tokens[:200])
     assert ingest(conductor, engine_record(b"i0", [root])) == "applied"
     assert conductor.pending()["unresolved"] == 0
-    check_consistent(conductor.index)
+    check_consistent(conductor.snapshot_state())
     assert conductor.query(TokenQuery("m", BS, tokens))["default"]["i0"]["GPU"] == n * BS
 
 
@@ -919,13 +921,13 @@ def test_one_hash_repeated_a_thousand_times_is_one_block() -> None:
     conductor = Conductor()
     for ev in (stored([A] * 1000, [1, 2] * 1000), stored([B] * 1000, None)):
         assert ingest(conductor, engine_record(b"i0", [ev])) == "applied"
-        check_consistent(conductor.index)
-    (ns,) = conductor.index.namespaces.values()
+        check_consistent(conductor.snapshot_state())
+    (ns,) = conductor.snapshot_state().namespaces.values()
     assert ns.store.owner_size(ns.owners["i0"][0].slot) == 1 and len(ns.waiting[B]) == 1
     # A tier holds a set: one removal removes it.
     assert ingest(conductor, engine_record(b"i0", [removed([A])])) == "applied"
     assert "i0" not in ns.owners
-    check_consistent(conductor.index)
+    check_consistent(conductor.snapshot_state())
 
 
 # ------------------------------------------------------------------ 3. memory
@@ -982,7 +984,7 @@ def test_a_flood_of_absurd_events_stays_within_every_bound(limits: IndexLimits) 
     once: the both-bounds fuzz above.)"""
     rng = random.Random(7)
     conductor = Conductor(limits)
-    index = conductor.index
+    index = conductor.snapshot_state()
     most: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     events = 0
@@ -1038,14 +1040,14 @@ def test_token_less_store_at_both_bounds_applies_whole(last: str) -> None:
         engine_record(b"o2", [offload], offload="pool"),
     ):
         assert ingest(conductor, rec) == "applied"
-    check_consistent(conductor.index)
+    check_consistent(conductor.snapshot_state())
     assert conductor.pending() == {"waiting": 0, "unresolved": 0, "intents": 1, "retired": 1}
     if last == "token-less store":
         rec = engine_record(b"i1", [stored([A, B], None)])
     else:
         rec = pool_record(b"p0", [{"event_type": "stored", "seq_hashes": [A, B]}])
     assert ingest(conductor, rec) == "applied"
-    check_consistent(conductor.index)
+    check_consistent(conductor.snapshot_state())
 
 
 def test_a_pool_store_holds_at_most_max_blocks_per_owner() -> None:
@@ -1056,7 +1058,7 @@ def test_a_pool_store_holds_at_most_max_blocks_per_owner() -> None:
         tokens = [t for h in hashes for t in (h, h)]
         ev = {"event_type": "stored", "seq_hashes": hashes, "token_ids": tokens}
         assert outcome(conductor, pool_record(b"p0", [ev])) == "applied"
-    (ns,) = conductor.index.namespaces.values()
+    (ns,) = conductor.snapshot_state().namespaces.values()
     assert ns.store.pool_len(ns.pools[("p0", "cpu")].pid) <= limits.max_blocks_per_owner
 
 
@@ -1069,7 +1071,7 @@ def test_pool_backends_per_namespace_are_bounded() -> None:
             for b in range(start, start + 1_000)
         ]
         assert outcome(conductor, pool_record(b"p0", events)) == "applied"
-    (ns,) = conductor.index.namespaces.values()
+    (ns,) = conductor.snapshot_state().namespaces.values()
     assert len(ns.pools) <= limits.max_owners_per_namespace
 
 

@@ -1,4 +1,4 @@
-"""HTTP API against a real Conductor fed through `conductor.index.apply_engine`."""
+"""HTTP API against a real Conductor fed through `conductor.snapshot_state().apply_engine`."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def store(
         medium=medium,
     )
     batch = EngineBatch(ts=1.0, events=[event], dp_rank=rank)
-    conductor.index.apply_engine(instance, meta(rank), batch, 1.0)
+    conductor.snapshot_state().apply_engine(instance, meta(rank), batch, 1.0)
 
 
 def fed_conductor() -> Conductor:
@@ -442,7 +442,7 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 async def test_metrics_endpoint(make_client: MakeClient) -> None:
     conductor = fed_conductor()
-    conductor.index.counters["unknown_medium"] += 3
+    conductor.snapshot_state().counters["unknown_medium"] += 3
     client = await make_client(conductor)
     for _ in range(3):
         assert (await post_json(client, "/query", query()))[0] == 200

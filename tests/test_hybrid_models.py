@@ -271,7 +271,7 @@ def sentinels_in(answer: Any) -> int:
 async def snapshot_holds(cfg: Config, mark: str) -> bool:
     """Whether the snapshot topic alone restores every sentinel of `mark`."""
     async with Replica(cfg, follow="none") as replica:
-        answer = replica.index.query(TokenQuery(**sentinel_query(mark)))
+        answer = replica.conductor.snapshot_state().query(TokenQuery(**sentinel_query(mark)))
     return sentinels_in(answer) == cfg.kafka.partitions
 
 
@@ -349,8 +349,8 @@ async def test_every_probe_across_daemon_sigkills(kafka_bootstrap: str, tmp_path
     for r in records:
         want_index.ingest_engine_record(r["key"], headers(r), value(r), 1.0)
     async with Replica(cfg, follow="none") as replica:
-        got = hybrid_units(state_fingerprint(replica.index))
-    assert got == hybrid_units(state_fingerprint(want_index.index))
+        got = hybrid_units(state_fingerprint(replica.conductor.snapshot_state()))
+    assert got == hybrid_units(state_fingerprint(want_index.snapshot_state()))
 
 
 def hybrid_units(fingerprint: dict[UnitKey, bytes]) -> dict[UnitKey, bytes]:
@@ -394,7 +394,7 @@ async def test_a_real_vllm_through_its_zmq_socket_the_bridge_and_the_daemon(
             port = daemon.http_port
             assert port is not None
             await pub.wait_subscribed()
-            index = daemon.conductor.index
+            index = daemon.conductor.snapshot_state()
             sent = 0
             for step in live_requests(run):
                 while sent < step["frames_before"]:

@@ -450,16 +450,16 @@ def test_bridge_resync_control_record_clears_the_instance() -> None:
     from kvconductor.index.conductor import Conductor
 
     c = Conductor()
-    c.index.apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 3)], 0), 1.0)
-    c.index.apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 2)], 1), 1.0)
-    c.index.apply_engine("b", meta(), EngineBatch(1.0, [stored(0, 1)], 0), 1.0)
+    c.snapshot_state().apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 3)], 0), 1.0)
+    c.snapshot_state().apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 2)], 1), 1.0)
+    c.snapshot_state().apply_engine("b", meta(), EngineBatch(1.0, [stored(0, 1)], 0), 1.0)
     applied = c.ingest_engine_record(
         b"a", [("kv-control", b"resync"), ("kv-dp-rank", b"0")], b"", 2.0
     )
     assert applied.resync and applied.blocks == 3
-    assert ask(c.index)["default"]["a"]["DP"] == {"1": 8}  # type: ignore[index]
+    assert ask(c.snapshot_state())["default"]["a"]["DP"] == {"1": 8}  # type: ignore[index]
     c.ingest_engine_record(b"a", [("kv-control", b"resync")], b"", 2.0)
-    assert "a" not in ask(c.index)["default"]  # type: ignore[operator]
+    assert "a" not in ask(c.snapshot_state())["default"]  # type: ignore[operator]
     assert c.counters["resyncs"] == 2
 
 
@@ -467,13 +467,15 @@ def test_pool_resync_control_record_clears_the_backend() -> None:
     from kvconductor.index.conductor import Conductor
 
     c = Conductor()
-    c.index.apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 1)], 0), 1.0)
-    pool(c.index, PoolEvent("stored", [seq(1)], parent_hash=seq(0), token_ids=PROMPT[4:8]))
-    pool(c.index, PoolEvent("stored", [seq(1)], medium="disk"), backend="mc-1")
-    assert hits(c.index) == (4, 8, 8)
+    c.snapshot_state().apply_engine("a", meta(), EngineBatch(1.0, [stored(0, 1)], 0), 1.0)
+    pool(
+        c.snapshot_state(), PoolEvent("stored", [seq(1)], parent_hash=seq(0), token_ids=PROMPT[4:8])
+    )
+    pool(c.snapshot_state(), PoolEvent("stored", [seq(1)], medium="disk"), backend="mc-1")
+    assert hits(c.snapshot_state()) == (4, 8, 8)
     applied = c.ingest_pool_record(b"mc-0", [("kv-control", b"resync")], b"", 2.0)
     assert applied.resync and applied.blocks == 1
-    assert hits(c.index) == (4, 4, 8)
+    assert hits(c.snapshot_state()) == (4, 4, 8)
 
 
 def test_per_request_cache_salt_in_extra_keys_matches_a_salted_query() -> None:

@@ -7,13 +7,14 @@ import os
 import shutil
 import struct
 from array import array
+from types import ModuleType
 
 import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvconductor.kernel import KERNEL, STATUS, Kernel
+from kvconductor.kernel import KERNEL, STATUS
 from kvconductor.wire import hashing
 from kvconductor.wire.hashing import pack_tokens
 from kvconductor.wire.query import TokenQuery, read_token_query
@@ -28,7 +29,8 @@ def test_kernel_is_built_where_rust_is() -> None:
         assert KERNEL is not None, STATUS
 
 
-def _kernel() -> Kernel:
+def _kernel() -> ModuleType:
+    """The compiled module (typed by kvconductor/_kernel.pyi), or a skip."""
     if KERNEL is None:
         pytest.skip(STATUS)
     return KERNEL

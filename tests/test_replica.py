@@ -138,7 +138,7 @@ def test_apply_units_equals_a_full_restore_after_every_generation(seed: int) -> 
             ingest = daemon.ingest_engine_record if kind == "e" else daemon.ingest_pool_record
             ingest(key, headers, value, 1.0 + i / 100)
         i += n
-        units = _units(daemon.index)
+        units = _units(daemon.snapshot_state())
         encoded = {k: encode_unit(u) for k, u in units.items()}
         if rng.random() < 0.1:  # republishing unchanged units is harmless
             changes: dict[UnitKey, Unit | None] = dict(units)
@@ -149,7 +149,12 @@ def test_apply_units_equals_a_full_restore_after_every_generation(seed: int) -> 
         published = encoded
         fresh = Index()
         restore(fresh, units)
-        assert fingerprint_diff(state_fingerprint(follower), state_fingerprint(daemon.index)) == []
+        assert (
+            fingerprint_diff(
+                state_fingerprint(follower), state_fingerprint(daemon.snapshot_state())
+            )
+            == []
+        )
         assert structure(follower) == structure(fresh)
         generations += 1
     assert generations > 20
@@ -158,7 +163,7 @@ def test_apply_units_equals_a_full_restore_after_every_generation(seed: int) -> 
 def test_replace_unit_replaces_and_deletes_one_unit() -> None:
     engine, pool = mixed_stream(5, 600)
     daemon = oracle(engine, pool)
-    units = _units(daemon.index)
+    units = _units(daemon.snapshot_state())
     follower = Index()
     restore(follower, units)
     owners = [k for k in units if k[0] == "o"]
@@ -170,8 +175,8 @@ def test_replace_unit_replaces_and_deletes_one_unit() -> None:
         assert key not in state_fingerprint(follower)
     for key in (owners[0], pools[0]):
         replace_unit(follower, key, units[key])
-    assert state_fingerprint(follower) == state_fingerprint(daemon.index)
-    assert structure(follower) == structure(daemon.index)
+    assert state_fingerprint(follower) == state_fingerprint(daemon.snapshot_state())
+    assert structure(follower) == structure(daemon.snapshot_state())
 
 
 class FakeTxnProducer:
@@ -244,13 +249,13 @@ async def test_the_publishers_generations_restore_and_follow_to_the_live_state(
             live.expire(now)
         if rng.random() < 0.05 or i == len(records) - 1:
             start = len(producer.log)
-            await publisher.publish(live.index, {TopicPartition("events", 0): i + 1})
+            await publisher.publish(live, {TopicPartition("events", 0): i + 1})
             generations += 1
             apply_units(follower, producer.units(since=start))
             table = {k: u for k, u in producer.units().items() if u is not None}
-            fresh = Index(live.index.limits)
+            fresh = Index(live.snapshot_state().limits)
             restore(fresh, table)
-            want = state_fingerprint(live.index)
+            want = state_fingerprint(live.snapshot_state())
             assert fingerprint_diff(state_fingerprint(fresh), want) == [], i
             assert fingerprint_diff(state_fingerprint(follower), want) == [], i
     assert generations > 50
@@ -268,16 +273,18 @@ async def test_pending_unit_of_a_recreated_namespace_is_republished() -> None:
         live.ingest_engine_record("offloader", offload, vllm_payload([ev]), now)
 
     intent([1, 2, 3, 4], 1.0)
-    await publisher.publish(live.index, {TopicPartition("events", 0): 1})
+    await publisher.publish(live, {TopicPartition("events", 0): 1})
     live.expire(100.0)  # the intent ages out (its content is retired) ...
     live.expire(200.0)  # ... then the retired content: the namespace is empty and goes
-    assert not live.index.namespaces
+    assert not live.snapshot_state().namespaces
     intent([5, 6, 7, 8], 201.0)  # a new namespace object, one pending half again
-    await publisher.publish(live.index, {TopicPartition("events", 0): 2})
+    await publisher.publish(live, {TopicPartition("events", 0): 2})
     table = {k: u for k, u in producer.units().items() if u is not None}
-    fresh = Index(live.index.limits)
+    fresh = Index(live.snapshot_state().limits)
     restore(fresh, table)
-    assert fingerprint_diff(state_fingerprint(fresh), state_fingerprint(live.index)) == []
+    assert (
+        fingerprint_diff(state_fingerprint(fresh), state_fingerprint(live.snapshot_state())) == []
+    )
 
 
 # ------------------------------------------------------ on the broker
@@ -334,15 +341,17 @@ async def test_replica_from_the_snapshot_topic_alone_equals_the_daemon(
         await produce(kafka_bootstrap, cfg.kafka.engine_topic, engine)
         await produce(kafka_bootstrap, cfg.kafka.pool_topic, pool)
         ends = await settled(daemon, cfg)
-        want = daemon.conductor.index
-        assert_same_state(want, oracle(engine, pool).index, "daemon vs uninterrupted run")
+        want = daemon.conductor.snapshot_state()
+        assert_same_state(
+            want, oracle(engine, pool).snapshot_state(), "daemon vs uninterrupted run"
+        )
         assert daemon.publisher is not None
         for follow in ("none", "snapshots", "events"):
             async with Replica(cfg, follow=follow) as replica:  # type: ignore[arg-type]
                 await replica.wait_caught_up(30)
                 assert replica.generation == daemon.publisher.generation
                 assert {tp: o for tp, o in replica.offsets().items() if o} == ends
-                assert_same_state(replica.index, want, f"follow={follow}")
+                assert_same_state(replica.conductor.snapshot_state(), want, f"follow={follow}")
                 hits = assert_same_answers(replica, daemon.conductor, seed)
                 assert hits > 10
                 assert replica.ready() == (True, "ready")
@@ -368,14 +377,14 @@ async def test_a_snapshot_past_the_replicas_limits_is_refused_with_the_reason(
         await produce(kafka_bootstrap, cfg.kafka.engine_topic, engine)
         await produce(kafka_bootstrap, cfg.kafka.pool_topic, pool)
         await settled(daemon, cfg)
-        spaces = len(daemon.conductor.index.namespaces)
+        spaces = len(daemon.conductor.snapshot_state().namespaces)
     assert spaces > 1
     small = msgspec.structs.replace(cfg.index, max_namespaces=spaces - 1)
     replica = Replica(cfg, follow="none", limits=small)
     for _ in range(2):  # and again: nothing is left half started
         with pytest.raises(SnapshotUnusable, match=r"cannot be restored: .*max_namespaces"):
             await replica.start()
-        assert not replica.index.namespaces
+        assert not replica.conductor.snapshot_state().namespaces
     # The server says so and stops, where a missing topic is waited for.
     limited = msgspec.structs.replace(cfg, index=small)
     assert await asyncio.wait_for(run_replica(limited, follow="none"), 30) == 1
@@ -410,11 +419,13 @@ async def test_replicas_started_while_events_flow_converge(kafka_bootstrap: str)
             assert not feeding.done()  # they really started mid-stream
             await feeding
             ends = await settled(daemon, cfg)
-            want = oracle(engine, pool).index
-            assert_same_state(daemon.conductor.index, want, "daemon vs uninterrupted run")
+            want = oracle(engine, pool).snapshot_state()
+            assert_same_state(
+                daemon.conductor.snapshot_state(), want, "daemon vs uninterrupted run"
+            )
 
             def converged(replica: Replica) -> bool:
-                got = state_fingerprint(replica.index)
+                got = state_fingerprint(replica.conductor.snapshot_state())
                 return got == state_fingerprint(want) and replica.offsets() == ends
 
             await wait_for(lambda: converged(by_events), 30, "events replica converged")
@@ -439,8 +450,8 @@ async def test_follow_snapshots_equals_the_daemon_at_every_generation(
         publisher = daemon.publisher
         assert publisher is not None
 
-        def observe(index: Index, generation: int, offsets: Any) -> None:
-            published[generation] = state_fingerprint(index)
+        def observe(conductor: Conductor, generation: int, offsets: Any) -> None:
+            published[generation] = state_fingerprint(conductor.snapshot_state())
 
         publisher.observe_cut = observe
         replica = Replica(cfg, follow="snapshots")
@@ -454,7 +465,9 @@ async def test_follow_snapshots_equals_the_daemon_at_every_generation(
                 g = replica.generation
                 if g not in checked and g in published:
                     checked.add(g)
-                    diff = fingerprint_diff(state_fingerprint(replica.index), published[g])
+                    diff = fingerprint_diff(
+                        state_fingerprint(replica.conductor.snapshot_state()), published[g]
+                    )
                     if diff:
                         mismatches.append((g, diff[:5]))
                 await asyncio.sleep(0.005)
@@ -480,8 +493,14 @@ async def test_follow_snapshots_equals_the_daemon_at_every_generation(
             await replica.stop()
         assert mismatches == []
         assert len(checked) >= 8, checked
-        assert_same_state(replica.index, daemon.conductor.index, "last generation")
-        assert_same_state(replica.index, oracle(engine, pool).index, "uninterrupted run")
+        assert_same_state(
+            replica.conductor.snapshot_state(), daemon.conductor.snapshot_state(), "last generation"
+        )
+        assert_same_state(
+            replica.conductor.snapshot_state(),
+            oracle(engine, pool).snapshot_state(),
+            "uninterrupted run",
+        )
 
 
 # ------------------------------------ reading to the end, never past it

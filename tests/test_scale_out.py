@@ -103,7 +103,7 @@ def oracle_state(engine: list[Record], pool: list[Record]) -> dict[object, bytes
         c.ingest_engine_record(key, headers, value, 1.0)
     for key, value, headers in pool:
         c.ingest_pool_record(key, headers, value, 1.0)
-    return state_fingerprint(c.index)
+    return state_fingerprint(c.snapshot_state())
 
 
 def member(cfg: Config, name: str) -> Config:
@@ -130,7 +130,7 @@ class Group:
     def union(self) -> dict[object, bytes]:
         out: dict[object, bytes] = {}
         for daemon, _ in self.daemons.values():
-            out.update(state_fingerprint(daemon.conductor.index))
+            out.update(state_fingerprint(daemon.conductor.snapshot_state()))
         return out
 
     async def close(self) -> None:
@@ -213,7 +213,7 @@ async def test_daemons_share_partitions_and_union_equals_single_run(
                 eb = set(map(repr, getattr(b, "entries", []) + getattr(b, "retired", [])))
                 detail.append((sorted(ea - eb)[:4], sorted(eb - ea)[:4]))
             raise AssertionError(f"{len(diff)} units differ, e.g. {diff[:5]} {detail}") from None
-        owned = [set(d.conductor.index.namespaces) for d, _ in g.daemons.values()]
+        owned = [set(d.conductor.snapshot_state().namespaces) for d, _ in g.daemons.values()]
         assert sum(len(o) for o in owned) == len(set().union(*owned))  # disjoint
         assert sum(1 for o in owned if o) >= 2  # the work is really shared
 

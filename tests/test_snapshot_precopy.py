@@ -123,7 +123,7 @@ async def test_generations_captured_while_records_apply_are_exact(
         if generations % 4 == 3 and not (last or quiet):
             # Abandoned before its cut, as a hand-over does: one step in, it
             # has taken the marks and is copying.
-            attempt = asyncio.create_task(publisher.publish(live.index, offsets, lock=lock))
+            attempt = asyncio.create_task(publisher.publish(live, offsets, lock=lock))
             for _ in range(rng.randint(1, 3)):
                 await asyncio.sleep(0)
             if not publisher.sending and not attempt.done():
@@ -139,9 +139,9 @@ async def test_generations_captured_while_records_apply_are_exact(
         try:
             if quiet:
                 async with lock:
-                    stats = await publisher.publish(live.index, offsets)
+                    stats = await publisher.publish(live, offsets)
             else:
-                stats = await publisher.publish(live.index, offsets, lock=lock)
+                stats = await publisher.publish(live, offsets, lock=lock)
         except KafkaError:
             failed += 1
             quiet = True
@@ -157,7 +157,7 @@ async def test_generations_captured_while_records_apply_are_exact(
             ingest(want, i)
         fresh = Index(limits)
         restore(fresh, table(producer))
-        diff = fingerprint_diff(state_fingerprint(fresh), state_fingerprint(want.index))
+        diff = fingerprint_diff(state_fingerprint(fresh), state_fingerprint(want.snapshot_state()))
         assert diff == [], (generations, cut, diff[:5])
         if last:
             break
@@ -192,8 +192,10 @@ class Gate:
         monkeypatch.setattr(publisher.producer, "send_offsets_to_transaction", send_offsets)
         publisher.observe_cut = self._observe
 
-    def _observe(self, index: Index, generation: int, offsets: dict[TopicPartition, int]) -> None:
-        self.cuts[generation] = state_fingerprint(index)
+    def _observe(
+        self, conductor: Conductor, generation: int, offsets: dict[TopicPartition, int]
+    ) -> None:
+        self.cuts[generation] = state_fingerprint(conductor.snapshot_state())
 
     def let_one_through(self) -> None:
         self._permits.release()
@@ -282,5 +284,5 @@ async def test_records_apply_while_a_generation_is_sent_and_it_restores_exactly(
         if r.offset < cut.get(TopicPartition(r.topic, r.partition), 0)
     ]
     want = oracle_from_kafka(below, k.pool_topic)
-    assert fingerprint_diff(got, state_fingerprint(want.index)) == []
+    assert fingerprint_diff(got, state_fingerprint(want.snapshot_state())) == []
     assert not any(key[0] == "i" and key[1] == "late-0" for key in got)

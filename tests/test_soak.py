@@ -32,15 +32,14 @@ from kvconductor.tools.demo.engines import (
     DEMO_MODEL,
     KafkaSink,
     Traffic,
-    block_removed,
     block_stored,
     default_fleet,
     engine_headers,
-    engine_payload,
 )
 from kvconductor.tools.soak.check import dead_letters, lost, pending_differences, replay
 from kvconductor.tools.soak.run import FAULT_KINDS
 from kvconductor.tools.soak.traffic import HOSTILE_KINDS, SlowEvictingLru, hostile, record_digest
+from kvconductor.wire.encode import vllm_payload, vllm_removed
 from kvconductor.wire.errors import BadRecord
 from kvconductor.wire.query import TokenQuery
 from tests.test_cli import REPO, kvconductor
@@ -94,7 +93,7 @@ async def demo_state(steps: int = 400) -> ApplyingProducer:
 async def test_every_hostile_record_is_rejected_and_changes_nothing() -> None:
     producer = await demo_state()
     conductor = producer.conductor
-    before = state_fingerprint(conductor.index)
+    before = state_fingerprint(conductor.snapshot_state())
     assert before, "the demo traffic built no state"
     rng = random.Random(5)
     kinds: dict[str, str] = {}
@@ -107,7 +106,7 @@ async def test_every_hostile_record_is_rejected_and_changes_nothing() -> None:
         with pytest.raises(BadRecord) as raised:
             ingest(h.key, h.headers, h.value, time.time())
         kinds[kind] = raised.value.kind
-    assert state_fingerprint(conductor.index) == before
+    assert state_fingerprint(conductor.snapshot_state()) == before
     # Every way in is tried: bad payloads, bad headers, bad values.
     assert {"undecodable", "missing_header", "invalid_header", "rejected"} <= set(kinds.values())
 
@@ -120,8 +119,8 @@ def _hits(conductor: Conductor, tokens: list[int]) -> int:
 def test_replay_keeps_each_partition_in_order_whatever_the_timestamps() -> None:
     spec = default_fleet()[0]
     tokens = list(range(2 * DEMO_BLOCK_SIZE))
-    store = engine_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1.0)
-    remove = engine_payload([block_removed([11, 12], "GPU")], 0, 2.0)
+    store = vllm_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1.0)
+    remove = vllm_payload([vllm_removed([11, 12], "GPU")], 0, 2.0)
     bad = hostile("garbage", spec.instance.encode(), random.Random(1))
     key = spec.instance.encode()
     partition = [  # stored, then removed: but the removal carries the older timestamp
@@ -182,28 +181,28 @@ def _with_intent(intent_at: float | None) -> Conductor:
     conductor = Conductor(IndexLimits(max_pending_age_s=100.0))
     pooled, other = default_fleet()[4], default_fleet()[0]
     tokens = list(range(2 * DEMO_BLOCK_SIZE))
-    stored = engine_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1)
+    stored = vllm_payload([block_stored([11, 12], None, tokens, "GPU", DEMO_BLOCK_SIZE)], 0, 1)
     key = pooled.instance.encode()
     conductor.ingest_engine_record(key, engine_headers(pooled, 0), stored, 1000.0)
     if intent_at is not None:
-        intent = engine_payload([block_stored([11, 12], None, [], "CPU", DEMO_BLOCK_SIZE)], 0, 1)
+        intent = vllm_payload([block_stored([11, 12], None, [], "CPU", DEMO_BLOCK_SIZE)], 0, 1)
         conductor.ingest_engine_record(key, engine_headers(pooled, 1), intent, intent_at)
-    later = engine_payload([block_stored([21], None, tokens[:16], "GPU", DEMO_BLOCK_SIZE)], 0, 1)
+    later = vllm_payload([block_stored([21], None, tokens[:16], "GPU", DEMO_BLOCK_SIZE)], 0, 1)
     conductor.ingest_engine_record(b"vllm-0", engine_headers(other, 0), later, 1100.0)
-    conductor.expire(conductor.index.now)
+    conductor.expire(conductor.now)
     return conductor
 
 
 def test_pending_halves_may_differ_only_at_the_age_cutoff() -> None:
-    plain = _with_intent(None).index
-    at_cutoff = pending_differences(_with_intent(1000.0).index, plain, 100.0, band_s=10.0)
+    plain = _with_intent(None)
+    at_cutoff = pending_differences(_with_intent(1000.0), plain, 100.0, band_s=10.0)
     assert at_cutoff.problems == []
     assert at_cutoff.at_cutoff == 2  # the two blocks' intents, stamped at the cutoff
-    inside = pending_differences(plain, _with_intent(1050.0).index, 100.0, band_s=10.0)
+    inside = pending_differences(plain, _with_intent(1050.0), 100.0, band_s=10.0)
     assert inside.at_cutoff == 0
     assert len(inside.problems) == 2
     assert all("only in the replay" in p and "+50.0 s" in p for p in inside.problems)
-    same = pending_differences(_with_intent(1050.0).index, _with_intent(1050.0).index, 100.0, 10.0)
+    same = pending_differences(_with_intent(1050.0), _with_intent(1050.0), 100.0, 10.0)
     assert same == (([], 0, 2, 0.0))
 
 

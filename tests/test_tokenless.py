@@ -225,31 +225,31 @@ def test_tokenless_holdings_answer_with_a_profile() -> None:
     # Content alone: the blocks stored with token ids, and those whose
     # content another store showed.
     assert _rows(conductor.query(req)) == CONTENT
-    before = state_fingerprint(conductor.index)
+    before = state_fingerprint(conductor.snapshot_state())
     pending = conductor.pending()
-    answer = conductor.index.query(req, profiles=[VLLM])
+    answer = conductor.snapshot_state().query(req, profiles=[VLLM])
     assert _rows(answer) == WITH_NAMES
     assert answer["default"]["tl-0"]["DP"] == {"0": 192}
     # Read only: nothing placed, nothing resolved; the next query is the same.
     assert conductor.pending() == pending
-    assert state_fingerprint(conductor.index) == before
+    assert state_fingerprint(conductor.snapshot_state()) == before
     assert _rows(conductor.query(req)) == CONTENT
     assert conductor.counters["tokenless_answers"] == 1
     assert conductor.counters["tokenless_blocks_answered"] == 8 + 2 + 2
     # The JSON body and the per-rank form say the same.
-    assert msgspec.json.decode(conductor.index.query_json(req, None, [VLLM])) == answer
-    assert conductor.index.query_ranks(req, None, [VLLM])["tl-0"] == {0: (128, 192, 192)}
+    assert msgspec.json.decode(conductor.snapshot_state().query_json(req, None, [VLLM])) == answer
+    assert conductor.snapshot_state().query_ranks(req, None, [VLLM])["tl-0"] == {0: (128, 192, 192)}
 
 
 def test_an_owner_holding_only_tokenless_blocks() -> None:
     conductor = _fed()
     req = TokenQuery(model=MODEL, block_size=BS, token_ids=_other_prompt())
     assert _rows(conductor.query(req)) == {}
-    answer = conductor.index.query(req, profiles=[VLLM])
+    answer = conductor.snapshot_state().query(req, profiles=[VLLM])
     assert _rows(answer) == {"only-0": (64, 64, 64)}
-    assert conductor.index.query_ranks(req, None, [VLLM])["only-0"] == {0: (64, 64, 64)}
+    assert conductor.snapshot_state().query_ranks(req, None, [VLLM])["only-0"] == {0: (64, 64, 64)}
     # It has no slot of its own in the namespace: nothing of it is held.
-    assert not any("only-0" in ns.owners for ns in conductor.index.namespaces.values())
+    assert not any("only-0" in ns.owners for ns in conductor.snapshot_state().namespaces.values())
 
 
 def test_only_what_the_profile_names() -> None:
@@ -257,16 +257,18 @@ def test_only_what_the_profile_names() -> None:
     req = TokenQuery(model=MODEL, block_size=BS, token_ids=_prompt()[: 12 * BS])
     # Another seed names other blocks: nothing more.
     other = VllmProfile("sha256", "0")
-    assert _rows(conductor.index.query(req, profiles=[other])) == CONTENT
-    assert _rows(conductor.index.query(req, profiles=[other, VLLM])) == WITH_NAMES
+    assert _rows(conductor.snapshot_state().query(req, profiles=[other])) == CONTENT
+    assert _rows(conductor.snapshot_state().query(req, profiles=[other, VLLM])) == WITH_NAMES
     # One instance only, and a prompt that differs in its first block.
     alone = TokenQuery(model=MODEL, block_size=BS, token_ids=req.token_ids, instance_id="tl-0")
-    assert _rows(conductor.index.query(alone, profiles=[VLLM])) == {"tl-0": (128, 192, 192)}
+    assert _rows(conductor.snapshot_state().query(alone, profiles=[VLLM])) == {
+        "tl-0": (128, 192, 192)
+    }
     changed = TokenQuery(model=MODEL, block_size=BS, token_ids=[7, *req.token_ids[1:]])
-    assert _rows(conductor.index.query(changed, profiles=[VLLM])) == {}
+    assert _rows(conductor.snapshot_state().query(changed, profiles=[VLLM])) == {}
     # A cut of the prompt answers its blocks only.
     short = TokenQuery(model=MODEL, block_size=BS, token_ids=req.token_ids[: 6 * BS])
-    assert _rows(conductor.index.query(short, profiles=[VLLM]))["tl-0"] == (96, 96, 96)
+    assert _rows(conductor.snapshot_state().query(short, profiles=[VLLM]))["tl-0"] == (96, 96, 96)
 
 
 def test_hybrid_instances_are_left_to_content() -> None:
@@ -286,7 +288,7 @@ def test_hybrid_instances_are_left_to_content() -> None:
     key, value, headers = _record("hyb-0", kinds, 0)
     conductor.ingest_engine_record(key, headers, value, 1.0)
     req = TokenQuery(model=MODEL, block_size=BS, token_ids=_other_prompt())
-    assert _rows(conductor.index.query(req, profiles=[VLLM])) == {"only-0": (64, 64, 64)}
+    assert _rows(conductor.snapshot_state().query(req, profiles=[VLLM])) == {"only-0": (64, 64, 64)}
 
 
 def test_pool_confirmations_and_per_request_salts() -> None:
@@ -298,19 +300,21 @@ def test_pool_confirmations_and_per_request_salts() -> None:
     longer = tokens + [3100 + i for i in range(2 * BS)]
     names = BlockNames(VLLM, longer, BS)
     confirm = PoolEvent("stored", [names[4], names[5]], medium="cpu")
-    conductor.index.apply_pool(
+    conductor.snapshot_state().apply_pool(
         "mc-0", PoolMeta(MODEL, BS, "default", "", None), PoolBatch(1.0, [confirm]), 1.0
     )
     req = TokenQuery(model=MODEL, block_size=BS, token_ids=longer)
-    assert _rows(conductor.index.query(req, profiles=[VLLM]))["only-0"] == (64, 96, 96)
+    assert _rows(conductor.snapshot_state().query(req, profiles=[VLLM]))["only-0"] == (64, 96, 96)
     salted = BlockNames(VLLM, tokens, BS, cache_salt="s")
     key, value, headers = _record(
         "salt-0", [stored([salted[0], salted[1]], None, block_size=BS)], 0
     )
     conductor.ingest_engine_record(key, headers, value, 1.0)
     ask = TokenQuery(model=MODEL, block_size=BS, token_ids=tokens, cache_salt="s")
-    assert _rows(conductor.index.query(ask, profiles=[VLLM])) == {"salt-0": (32, 32, 32)}
-    assert conductor.index.query_ranks(ask, None, [VLLM]) == {"salt-0": {0: (32, 32, 32)}}
+    assert _rows(conductor.snapshot_state().query(ask, profiles=[VLLM])) == {"salt-0": (32, 32, 32)}
+    assert conductor.snapshot_state().query_ranks(ask, None, [VLLM]) == {
+        "salt-0": {0: (32, 32, 32)}
+    }
 
 
 # ------------------------------------------------------- through the daemon

@@ -379,11 +379,7 @@ class QueryApi:
 
     def _conductor_answer(self, req: TokenQuery | HashQuery, packed: bytes | None) -> bytes:
         try:
-            profiles = self._profiles(req)
-            if profiles:
-                hits = self.conductor.index.query_ranks(req, packed, profiles)
-            else:
-                hits = self.conductor.query_ranks(req, packed)
+            hits = self.conductor.query_ranks(req, packed, self._profiles(req))
         except InvalidQuery as exc:
             raise ConductorError("invalid_value", str(exc)) from None
         registered: dict[str, set[int]] = {}
@@ -403,10 +399,7 @@ class QueryApi:
         return self._run(lambda r: self._token_json(r, packed), req)
 
     def _token_json(self, req: TokenQuery, packed: bytes | None = None) -> bytes:
-        profiles = self._profiles(req)
-        if profiles:
-            return self.conductor.index.query_json(req, packed, profiles)
-        return self.conductor.query_json(req, packed)
+        return self.conductor.query_json(req, packed, self._profiles(req))
 
     def _profiles(self, req: TokenQuery | HashQuery) -> tuple[VllmProfile, ...]:
         """The hash profiles registered for a token query's context, with

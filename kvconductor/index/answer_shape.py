@@ -15,13 +15,16 @@ writes the HTTP API's JSON answer without making them at all, and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
 import msgspec
 
 from kvconductor.index.block_store import Matched
 from kvconductor.kernel import KERNEL
 from kvconductor.wire.query import QueryResponse
+
+if KERNEL is not None:
+    from kvconductor import _kernel
 
 # Per instance, in name order: its name and its (rank, slot)s in rank order.
 Layout = Sequence[tuple[str, Sequence[tuple[int, int]]]]
@@ -134,12 +137,11 @@ def new_shape(tenant: str, block_size: int, layout: Layout) -> AnswerShape:
     """The compiled shape when the kernel is built, else the reference."""
     if KERNEL is not None:
         encode = msgspec.json.encode
-        shape = KERNEL.AnswerShape(
+        # Held equal to PyAnswerShape by tests/test_answer_shape.py.
+        return _kernel.AnswerShape(
             tenant,
             encode(tenant),
             block_size,
             [(name, encode(name), ranks) for name, ranks in layout],
         )
-        # Held equal to PyAnswerShape by tests/test_answer_shape.py.
-        return cast(AnswerShape, shape)
     return PyAnswerShape(tenant, block_size, layout)

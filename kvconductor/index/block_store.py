@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
 import xxhash
 
@@ -30,6 +30,9 @@ from kvconductor.index.pending import RETIRED, PendingKey, PendingQueue
 from kvconductor.kernel import KERNEL
 from kvconductor.wire.media import DEVICE, DISK, HOST
 from kvconductor.wire.packing import pack_f64, pack_u64, unpack_f64, unpack_u64
+
+if KERNEL is not None:
+    from kvconductor import _kernel
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -752,5 +755,5 @@ def new_store(max_retired: int, max_age_s: float) -> BlockStore:
     """The compiled store when the kernel is built and allowed, else the reference."""
     if KERNEL is not None:
         # Held equal to PyBlockStore, step by step, by tests/test_block_store.py.
-        return cast(BlockStore, KERNEL.BlockStore(max_retired, max_age_s))
+        return _kernel.BlockStore(max_retired, max_age_s)
     return PyBlockStore(max_retired, max_age_s)

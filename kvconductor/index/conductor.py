@@ -8,6 +8,11 @@
 A record either applies whole or raises `BadRecord` (nothing applied).
 Time is whatever the caller passes (the Kafka record timestamp in the
 daemon), so replaying the same records gives the same index.
+
+The shell (daemon, replica, snapshots, HTTP, tools) uses this class alone.
+Snapshots go through its snapshot port (`now`, `changes`, `snapshot_state`,
+`replace_state`): `kvconductor.snapshots.units` is the one reader of the
+index's internals, and it is handed them there.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from typing import NamedTuple
 
 from kvconductor.index.engine_lane import EngineLane
 from kvconductor.index.fleet import Index, IndexLimits
-from kvconductor.index.namespace import NamespaceKey
+from kvconductor.index.namespace import Dirty, NamespaceKey
 from kvconductor.index.pending import INTENT, UNRESOLVED, WAITING
 from kvconductor.kernel import KERNEL
 from kvconductor.wire.engine import decode_engine_payload
+from kvconductor.wire.engine_hashes import VllmProfile
 from kvconductor.wire.errors import DecodeError, InvalidHeader
 from kvconductor.wire.media import DEVICE, DISK, HOST
 from kvconductor.wire.pool import decode_pool_payload
@@ -71,8 +77,9 @@ class Conductor:
         """`lane`: apply what the compiled kernel can of `ingest`'s batches
         there (`engine_lane`; with the kernel built). Off, every record
         takes the Python path, the reference the lane is held equal to."""
-        self.index = Index(limits)
-        self.lane = EngineLane(self.index) if lane and KERNEL is not None else None
+        self._lane_on = lane and KERNEL is not None
+        self._index = Index(limits)
+        self.lane = EngineLane(self._index) if self._lane_on else None
 
     # ------------------------------------------------------------ ingest
 
@@ -93,12 +100,12 @@ class Conductor:
         h = header_map(headers)
         control = control_meta(h)
         if control is not None:
-            return Applied(self.index.resync(instance, control.dp_rank), 0, True)
+            return Applied(self._index.resync(instance, control.dp_rank), 0, True)
         meta = engine_meta(h)
         batch = decode_engine_payload(payload, meta.source)
-        blocks = self.index.apply_engine(instance, meta, batch, now)
+        blocks = self._index.apply_engine(instance, meta, batch, now)
         rank = batch.dp_rank if batch.dp_rank is not None else meta.dp_rank
-        missing = self.index.check_seq(instance, rank, meta.seq)
+        missing = self._index.check_seq(instance, rank, meta.seq)
         return Applied(blocks, missing)
 
     def ingest(self, records: Sequence[Incoming]) -> list[Notice]:
@@ -107,17 +114,16 @@ class Conductor:
         something to say (most records have none)."""
         notices: list[Notice] = []
         lane = self.lane
-        if lane is not None and not isinstance(records, list):
-            records = list(records)
-        i, n = 0, len(records)
+        batch = records if isinstance(records, list) else list(records)  # the lane takes lists
+        i, n = 0, len(batch)
         while i < n:
             if lane is not None:
-                stop = lane.run(records, i)
+                stop = lane.run(batch, i)
                 notices += [Notice(at, Applied(b, missing), None) for at, b, missing in stop.gaps]
                 if not stop.python:
                     break
                 i = stop.at
-            rec = records[i]
+            rec = batch[i]
             notice = self._ingest_one(i, rec)
             if notice is not None:
                 notices.append(notice)
@@ -144,42 +150,83 @@ class Conductor:
         backend = _key_text(key, "backend")
         h = header_map(headers)
         if control_meta(h) is not None:
-            return Applied(self.index.pool_resync(backend), 0, True)
+            return Applied(self._index.pool_resync(backend), 0, True)
         meta = pool_meta(h)
         batch = decode_pool_payload(payload)
-        return Applied(self.index.apply_pool(backend, meta, batch, now), 0)
+        return Applied(self._index.apply_pool(backend, meta, batch, now), 0)
 
     def expire(self, now: float) -> None:
-        self.index.expire(now)
+        self._index.expire(now)
 
     def remove_instance(self, instance: str) -> bool:
-        return self.index.remove_instance(instance)
+        return self._index.remove_instance(instance)
+
+    # ----------------------------------------------------- snapshot port
+
+    @property
+    def now(self) -> float:
+        """The event clock: the newest record time applied (or restored)."""
+        return self._index.now
+
+    @property
+    def changes(self) -> Dirty:
+        """The units changed since a snapshot capture last took these marks
+        (it clears them; with nothing publishing, `changes.clear()`)."""
+        return self._index.dirty
+
+    def has_instance(self, instance: str) -> bool:
+        return instance in self._index.instances
+
+    def snapshot_state(self) -> Index:
+        """The index itself, for `kvconductor.snapshots.units` to export
+        units from and restore units into; nothing else reads it."""
+        return self._index
+
+    def replace_state(self, index: Index) -> None:
+        """Answer from `index` from now on (a snapshot restored into a fresh
+        index, all or nothing, or an empty one)."""
+        self._index = index
+        self.lane = EngineLane(index) if self._lane_on else None
 
     # ----------------------------------------------------------- queries
 
-    def query(self, req: TokenQuery, packed: bytes | None = None) -> QueryResponse:
+    def query(
+        self,
+        req: TokenQuery,
+        packed: bytes | None = None,
+        profiles: Sequence[VllmProfile] = (),
+    ) -> QueryResponse:
         """`packed`: the prompt already packed, in place of `req.token_ids`
-        (see `query.run_query`)."""
-        return self.index.query(req, packed)
+        (see `query.run_query`). `profiles`: the vLLM hash profiles that
+        also name the prompt's blocks for tokenless instances (`tokenless`)."""
+        return self._index.query(req, packed, profiles)
 
     def query_by_hash(self, req: HashQuery) -> QueryResponse:
-        return self.index.query(req)
+        return self._index.query(req)
 
-    def query_json(self, req: TokenQuery | HashQuery, packed: bytes | None = None) -> bytes:
+    def query_json(
+        self,
+        req: TokenQuery | HashQuery,
+        packed: bytes | None = None,
+        profiles: Sequence[VllmProfile] = (),
+    ) -> bytes:
         """`query` or `query_by_hash`, answered as the HTTP API's JSON body."""
-        return self.index.query_json(req, packed)
+        return self._index.query_json(req, packed, profiles)
 
     def query_ranks(
-        self, req: TokenQuery | HashQuery, packed: bytes | None = None
+        self,
+        req: TokenQuery | HashQuery,
+        packed: bytes | None = None,
+        profiles: Sequence[VllmProfile] = (),
     ) -> dict[str, dict[int, tuple[int, int, int]]]:
         """Per listed instance and rank, (GPU, CPU, DISK) in tokens: the
         match behind `query`, for answers that list every rank."""
-        return self.index.query_ranks(req, packed)
+        return self._index.query_ranks(req, packed, profiles)
 
     @property
     def local_hash_map_on(self) -> bool:
         """Whether namespaces learn Dynamo's local block hashes (`query_local_hashes`)."""
-        return self.index.limits.local_hash_map > 0
+        return self._index.limits.local_hash_map > 0
 
     def query_local_hashes(
         self, tenant: str, model: str, local: list[int]
@@ -187,33 +234,33 @@ class Conductor:
         """A prompt named by Dynamo's local block hashes (u64): the block
         size of its namespace and, per listed instance and rank, (GPU, CPU,
         DISK) in tokens (`query.run_local_hash_query`)."""
-        return self.index.query_local_hashes(tenant, model, local)
+        return self._index.query_local_hashes(tenant, model, local)
 
     # ----------------------------------------------------------- reading
 
     @property
     def counters(self) -> Counter[str]:
         """Everything skipped, dropped or noticed, by name."""
-        return self.index.counters
+        return self._index.counters
 
     @property
     def applied(self) -> Counter[tuple[str, str]]:
         """Blocks applied by (source, tier): tiers GPU, CPU, DISK, intent."""
-        return self.index.applied
+        return self._index.applied
 
     @property
     def namespace_count(self) -> int:
-        return len(self.index.namespaces)
+        return len(self._index.namespaces)
 
     @property
     def instance_count(self) -> int:
-        return len(self.index.instances)
+        return len(self._index.instances)
 
     def pending(self) -> dict[str, int]:
         """Pending two-phase halves across namespaces, by kind, and the content
         kept for late halves after its last holder went (`retired`)."""
         out = {"waiting": 0, "unresolved": 0, "intents": 0, "retired": 0}
-        for ns in self.index.namespaces.values():
+        for ns in self._index.namespaces.values():
             by_kind = ns.pending.by_kind
             out["waiting"] += by_kind[WAITING]
             out["unresolved"] += by_kind[UNRESOLVED]
@@ -221,11 +268,20 @@ class Conductor:
             out["retired"] += ns.store.retired_len()
         return out
 
+    def entries(self) -> int:
+        """(block, owner) entries held: owner tiers and pool stores."""
+        n = 0
+        for ns in self._index.namespaces.values():
+            for ranks in ns.owners.values():
+                n += sum(ns.store.owner_size(o.slot) for o in ranks.values())
+            n += sum(ns.store.pool_len(s.pid) for s in ns.pools.values())
+        return n
+
     def context_blocks(self) -> dict[tuple[str, str, str, int], int]:
         """Distinct blocks held, per (tenant, model, LoRA or "", block size):
         Conductor's `prefix_count`, over every salt."""
         out: dict[tuple[str, str, str, int], int] = {}
-        for key, ns in self.index.namespaces.items():
+        for key, ns in self._index.namespaces.items():
             context = (key.tenant, key.model, key.lora_name or "", key.block_size)
             held = ns.store.content_len() - ns.store.retired_len()
             out[context] = out.get(context, 0) + held
@@ -234,8 +290,8 @@ class Conductor:
     def workers(self) -> list[dict[str, object]]:
         """Instances, ranks and per-tier block counts per namespace."""
         out: list[dict[str, object]] = []
-        for key in sorted(self.index.namespaces, key=_ns_sort_key):
-            ns = self.index.namespaces[key]
+        for key in sorted(self._index.namespaces, key=_ns_sort_key):
+            ns = self._index.namespaces[key]
             instances: dict[str, dict[str, object]] = {}
             for instance in sorted(ns.owners):
                 ranks = ns.owners[instance]
@@ -265,7 +321,7 @@ class Conductor:
         return out
 
     def is_empty(self) -> bool:
-        return self.index.is_empty()
+        return self._index.is_empty()
 
 
 def _ns_sort_key(key: NamespaceKey) -> tuple[str, str, int, str, str]:

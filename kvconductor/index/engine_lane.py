@@ -19,8 +19,7 @@ resync, an instance removed).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvconductor.index.cache_groups import FULL_KINDS
 from kvconductor.index.namespace import NamespaceIndex, NamespaceKey, namespace_key
@@ -29,6 +28,8 @@ from kvconductor.wire.errors import BadRecord
 from kvconductor.wire.media import TIER_NAMES, engine_tier
 from kvconductor.wire.records import Incoming, control_meta, engine_meta, header_map
 
+if KERNEL is not None:
+    from kvconductor import _kernel
 if TYPE_CHECKING:
     from kvconductor.index.fleet import Index, InstanceState
 
@@ -39,41 +40,6 @@ _MAX_RANK = 1 << 16
 
 # (record, blocks applied, kv-seq messages missing) of each gap
 Gap = tuple[int, int, int]
-CtxOut = tuple[int, tuple[int, int, int], int, float]
-InstOut = tuple[str, float, list[tuple[int, int]]]
-RunOut = tuple[
-    int, int, int | None, float, list[tuple[str, int]], list[Gap], list[CtxOut], list[InstOut]
-]
-
-
-class _Kernel(Protocol):
-    """kernel/src/lane.rs `EngineLane`."""
-
-    def run(self, records: Sequence[Incoming], start: int, now: float) -> RunOut: ...
-
-    def add_context(
-        self,
-        id: int,
-        name: str,
-        store: object,
-        pending: object,
-        waiting: object,
-        children: object,
-        unresolved: object,
-        max_pending_age: float,
-        slot: int,
-        block_size: int,
-        seed: int,
-        max_blocks: int,
-        pool_mode: bool,
-        kind0: str | None,
-        rank: int,
-        last_seq: int | None,
-    ) -> None: ...
-
-    def forget(self, instance: bytes) -> list[int]: ...
-
-    def reset(self) -> None: ...
 
 
 class _Context(NamedTuple):
@@ -92,13 +58,12 @@ class EngineLane:
     def __init__(self, index: Index) -> None:
         assert KERNEL is not None
         self.index = index
-        self.kernel = cast(_Kernel, KERNEL.EngineLane(sorted(FULL_KINDS), engine_tier))
-        self.store_type = type(KERNEL.BlockStore(0, 0.0))
+        self.kernel = _kernel.EngineLane(sorted(FULL_KINDS), engine_tier)
         self.contexts: dict[int, _Context] = {}
         self.next_id = 0
         self.epoch = index.epoch
 
-    def run(self, records: Sequence[Incoming], start: int) -> Stop:
+    def run(self, records: list[Incoming], start: int) -> Stop:
         """Apply `records[start:]` until one the lane cannot (see the module doc)."""
         index = self.index
         if index.epoch != self.epoch:
@@ -122,7 +87,7 @@ class EngineLane:
             for cid in self.kernel.forget(key):
                 del self.contexts[cid]
 
-    def _flush(self, out: RunOut) -> None:
+    def _flush(self, out: _kernel.RunOut) -> None:
         """What the kernel changed beside the stores, as the Python path does it."""
         index = self.index
         index.now = out[3]
@@ -171,12 +136,15 @@ class EngineLane:
         owner = ns.owners.get(instance, {}).get(rank)
         if owner is None or owner.copies or owner.groups or owner.primary_block != ns.block_size:
             return False
+        store = ns.store
+        if not isinstance(store, _kernel.BlockStore):
+            return False
         cid = self.next_id
         self.next_id += 1
         self.kernel.add_context(
             cid,
             instance,
-            ns.store,
+            store,
             ns.pending.entries,
             ns.waiting,
             ns.children,
@@ -204,5 +172,4 @@ class EngineLane:
             state.namespaces == {key}
             and (kind0 is None or kind0 in FULL_KINDS)
             and ns.local_map is None
-            and isinstance(ns.store, self.store_type)
         )

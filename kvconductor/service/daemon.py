@@ -275,7 +275,7 @@ class Daemon:
         take (arrays of different lengths, more namespaces or owners than
         the limits) stops the daemon with the reason, not a traceback."""
         try:
-            restore(self.conductor.index, read.units, keep)
+            restore(self.conductor.snapshot_state(), read.units, keep)
         except ValueError as exc:
             raise FatalError(
                 f"the snapshot topic {self.cfg.kafka.snapshot_topic} cannot be restored: {exc}"
@@ -293,14 +293,13 @@ class Daemon:
             return
         read = await self.read_snapshot()
         owns = self._owns(gained)
-        index = self.conductor.index
         self._restore(read, owns)
 
         def keep_unit(key: UnitKey) -> bool:
             ns = unit_namespace(key)
             if ns is not None:
                 return bool(owns(ns))
-            return key[0] == "i" and key[1] in index.instances
+            return key[0] == "i" and self.conductor.has_instance(key[1])
 
         if self.publisher is not None:
             self.publisher.adopt(read, keep_unit)
@@ -328,7 +327,7 @@ class Daemon:
         if self.cfg.kafka.repartition:
             lost = {tp.partition for tp in revoked if tp.topic == self.cfg.kafka.repartition_topic}
             drop = self._owns(lost)
-            drop_namespaces(self.conductor.index, drop)
+            drop_namespaces(self.conductor.snapshot_state(), drop)
             if self.publisher is not None:
                 self.publisher.forget(drop)
             for tp in revoked:
@@ -345,7 +344,7 @@ class Daemon:
         await self._settle_publish()
         if self.publisher is None:
             offsets = dict(events.applied_offsets)
-            self.conductor.index.dirty.clear()
+            self.conductor.changes.clear()
             if offsets != self._last_published:
                 await events.commit(offsets)
                 self._last_published = offsets
@@ -356,7 +355,7 @@ class Daemon:
 
     def _changed(self) -> bool:
         assert self.events is not None
-        dirty = self.conductor.index.dirty
+        dirty = self.conductor.changes
         return bool(
             self.events.applied_offsets != self._last_published or dirty.owners or dirty.pools
         )
@@ -394,7 +393,7 @@ class Daemon:
             await self._renew_publisher()
         try:
             stats = await publisher.publish(
-                self.conductor.index,
+                self.conductor,
                 events.applied_offsets,
                 lock=lock,
                 records_first=events.records_first,
@@ -612,7 +611,7 @@ class Daemon:
             if now - last_expire >= EXPIRE_EVERY_S:
                 # Under the lock: a generation's final round must see no change.
                 async with events.lock:
-                    self.conductor.expire(self.conductor.index.now)
+                    self.conductor.expire(self.conductor.now)
                 self.overflow.check(self.conductor.counters, now)
                 last_expire = now
             task = self._publishing

@@ -183,10 +183,6 @@ class Replica:
         """The contract's answer for a prompt named by engine block hashes."""
         return self.conductor.query_by_hash(req)
 
-    @property
-    def index(self) -> Index:
-        return self.conductor.index
-
     def offsets(self) -> dict[TopicPartition, int]:
         """Per source partition, the next offset to read: the index reflects
         every record before it. follow="events": the engine and pool (or
@@ -278,7 +274,7 @@ class Replica:
                 raise SnapshotUnusable(
                     f"the snapshot topic {k.snapshot_topic} cannot be restored: {exc}"
                 ) from exc
-            self.conductor.index = index
+            self.conductor.replace_state(index)
             self.restored = read
             self.generation = read.generation
             self._offsets = dict(read.offsets)
@@ -305,7 +301,7 @@ class Replica:
                     self._caught_up = True
         except BaseException:
             self.lifecycle.move(Phase.NOT_STARTED)
-            self.conductor.index = Index(self.limits)
+            self.conductor.replace_state(Index(self.limits))
             self._offsets = {}
             task, self._task = self._task, None
             if task is not None:
@@ -388,10 +384,10 @@ class Replica:
             if not self._kafka_ok:
                 continue
             self._offsets.update(events.applied_offsets)
-            self.conductor.index.dirty.clear()  # a replica publishes nothing
+            self.conductor.changes.clear()  # a replica publishes nothing
             now = time.monotonic()
             if now - last_expire >= EXPIRE_EVERY_S:
-                self.conductor.expire(self.conductor.index.now)
+                self.conductor.expire(self.conductor.now)
                 last_expire = now
 
     # --------------------------------------------------- follow snapshots
@@ -490,7 +486,7 @@ class Replica:
         if not changes:
             return
         try:
-            apply_units(self.conductor.index, changes)
+            apply_units(self.conductor.snapshot_state(), changes)
         except ValueError as exc:
             raise SnapshotUnusable(
                 f"a generation of the snapshot topic cannot be applied: {exc}"

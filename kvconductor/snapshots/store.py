@@ -27,6 +27,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from kvconductor.index.block_store import BlockStore
+from kvconductor.index.conductor import Conductor
 from kvconductor.index.fleet import Index
 from kvconductor.index.namespace import Dirty, NamespaceKey
 from kvconductor.kafka.clients import refresh_metadata
@@ -38,13 +39,17 @@ from kvconductor.snapshots.units import (
     Unit,
     UnitKey,
     UnitValue,
+    begin_cut,
     completing,
     decode_unit,
     encode_unit,
     export_unit,
     export_unit_at_cut,
     generation_key,
+    mark_all_changed,
+    namespace_keys,
     pending_key,
+    pending_version,
     unit_namespace,
 )
 
@@ -93,7 +98,7 @@ UnitId = tuple[str, Any]  # (kind, id), as `export_unit` takes them
 Exported = list[tuple[UnitKey, Unit | None]]
 AtCut = list[tuple[UnitKey, Unit | CutUnit | None]]
 U = TypeVar("U", Unit | None, Unit | CutUnit | None)
-CutObserver = Callable[[Index, int, dict[TopicPartition, int]], None]
+CutObserver = Callable[[Conductor, int, dict[TopicPartition, int]], None]
 
 
 class SnapshotPublisher:
@@ -113,7 +118,7 @@ class SnapshotPublisher:
         # From the cut (offsets taken) until the transaction ended: the
         # generation can no longer be abandoned, only waited for.
         self.sending = False
-        # Called at every cut with the index exactly in the state the
+        # Called at every cut with the conductor exactly in the state the
         # generation holds, its number and offsets (tests check it against
         # what the topic then restores).
         self.observe_cut: CutObserver | None = None
@@ -135,7 +140,7 @@ class SnapshotPublisher:
 
     async def publish(
         self,
-        index: Index,
+        conductor: Conductor,
         offsets: Mapping[TopicPartition, int],
         *,
         lock: asyncio.Lock | None = None,
@@ -161,7 +166,7 @@ class SnapshotPublisher:
         goes on in steps that give way to records being applied (see
         `RecordsFirst`)."""
         started = time.monotonic()
-        copy = _Copy(self, index, lock, records_first)
+        copy = _Copy(self, conductor, lock, records_first)
         try:
             final = await copy.capture(offsets)
             for key, unit in final:
@@ -230,17 +235,11 @@ class SnapshotPublisher:
             copy.final_units,
         )
 
-    def mark_all_dirty(self, index: Index) -> None:
+    def mark_all_dirty(self, conductor: Conductor) -> None:
         """Make the next generation rewrite every unit (after a restore or a
         change of partition ownership)."""
-        for ns_key, ns in index.namespaces.items():
-            for instance, ranks in ns.owners.items():
-                for rank in ranks:
-                    index.dirty.owners.add((ns_key, instance, rank))
-            for backend, medium in ns.pools:
-                index.dirty.pools.add((ns_key, backend, medium))
+        for ns_key in mark_all_changed(conductor.snapshot_state()):
             self.pending_versions.pop(ns_key, None)
-        index.dirty.instances.update(index.instances)
         for key in self.published:
             if key[0] == "q":
                 ns_key = NamespaceKey(key[1], key[2], key[3], key[4], key[5])
@@ -254,12 +253,12 @@ class _Copy:
     def __init__(
         self,
         publisher: SnapshotPublisher,
-        index: Index,
+        conductor: Conductor,
         lock: asyncio.Lock | None,
         records_first: RecordsFirst | None,
     ) -> None:
         self.publisher = publisher
-        self.index = index
+        self.conductor = conductor
         self.lock = lock
         # Between two steps of work outside the final round. Without `lock`
         # the caller keeps records out throughout: nothing to give way to.
@@ -317,16 +316,16 @@ class _Copy:
         wasted under churn (at 4.3M entries the final round found 237-257
         of 259 changed again), and a freeze costs a mark whatever the
         unit's size, so they wait for the cut."""
-        dirty = self.index.dirty
+        dirty = self.conductor.changes
         ids: list[UnitId] = [("i", u) for u in dirty.instances]
         self.taken.owners |= dirty.owners
         self.taken.pools |= dirty.pools
         self.taken.instances |= dirty.instances
         dirty.clear()
         # Pending units have versions instead of marks.
-        namespaces = self.index.namespaces
+        namespaces = namespace_keys(self.conductor.snapshot_state())
         published = self.publisher.pending_versions
-        for ns_key in namespaces.keys() | published.keys() | self.versions.keys():
+        for ns_key in namespaces | published.keys() | self.versions.keys():
             version = self._pending_version(ns_key)
             if self.versions.get(ns_key, published.get(ns_key)) != version:
                 ids.append(("q", ns_key))
@@ -338,12 +337,11 @@ class _Copy:
         so exporting it now would be wasted."""
         kind, unit_id = uid
         if kind == "i":
-            return unit_id in self.index.dirty.instances
+            return unit_id in self.conductor.changes.instances
         return self._pending_version(unit_id) != self.seen[unit_id]
 
     def _pending_version(self, ns_key: NamespaceKey) -> int:
-        ns = self.index.namespaces.get(ns_key)
-        return -1 if ns is None else ns.pending_version()
+        return pending_version(self.conductor.snapshot_state(), ns_key)
 
     def _estimate(self, ids: list[UnitId]) -> float:
         """What exporting `ids` would take, from their last exports; before
@@ -359,7 +357,7 @@ class _Copy:
     ) -> tuple[UnitKey, U]:
         kind, unit_id = uid
         t = time.perf_counter()
-        key, unit = export(self.index, kind, unit_id)
+        key, unit = export(self.conductor.snapshot_state(), kind, unit_id)
         self.cost[uid] = time.perf_counter() - t
         if kind == "q":
             self.versions[unit_id] = self._pending_version(unit_id)
@@ -396,9 +394,7 @@ class _Copy:
         blocks and identities are read after the lock (`CutUnit`): reading
         them here was most of the final round, which records wait out
         (docs/benchmarks.md)."""
-        for ns in self.index.namespaces.values():
-            ns.store.begin_cut()
-            self.cut_stores.append(ns.store)
+        self.cut_stores += begin_cut(self.conductor.snapshot_state())
         taken = self.taken
         ids = [("o", u) for u in taken.owners] + [("p", u) for u in taken.pools] + ids
         exported: AtCut = []
@@ -410,11 +406,11 @@ class _Copy:
                 last = time.perf_counter()
         self.final_units = len(ids)
         self.offsets = dict(offsets)
-        self.clock = self.index.now
+        self.clock = self.conductor.now
         publisher = self.publisher
         publisher.sending = True
         if publisher.observe_cut is not None:
-            publisher.observe_cut(self.index, self.generation, self.offsets)
+            publisher.observe_cut(self.conductor, self.generation, self.offsets)
         return exported
 
     async def complete(self, unit: Unit | CutUnit | None) -> Unit | None:
@@ -458,7 +454,7 @@ class _Copy:
 
     def give_back(self) -> None:
         """The generation is not published: its units stay marked changed."""
-        dirty = self.index.dirty
+        dirty = self.conductor.changes
         dirty.owners |= self.taken.owners
         dirty.pools |= self.taken.pools
         dirty.instances |= self.taken.instances

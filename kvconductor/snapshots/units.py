@@ -392,6 +392,39 @@ def all_unit_ids(index: Index) -> Iterator[tuple[str, Any]]:
         yield "i", instance
 
 
+def mark_all_changed(index: Index) -> list[NamespaceKey]:
+    """Mark every owner, pool and instance unit changed; returns the
+    namespaces, whose pending units have versions instead of marks."""
+    dirty = index.dirty
+    for kind, uid in all_unit_ids(index):
+        if kind == "o":
+            dirty.owners.add(uid)
+        elif kind == "p":
+            dirty.pools.add(uid)
+        elif kind == "i":
+            dirty.instances.add(uid)
+    return list(index.namespaces)
+
+
+def namespace_keys(index: Index) -> set[NamespaceKey]:
+    return set(index.namespaces)
+
+
+def pending_version(index: Index, ns_key: NamespaceKey) -> int:
+    """The version of a namespace's pending unit (-1: no namespace)."""
+    ns = index.namespaces.get(ns_key)
+    return -1 if ns is None else ns.pending_version()
+
+
+def begin_cut(index: Index) -> list[BlockStore]:
+    """Open a cut on every namespace's store (`BlockStore.begin_cut`);
+    the caller closes them."""
+    stores = [ns.store for ns in index.namespaces.values()]
+    for store in stores:
+        store.begin_cut()
+    return stores
+
+
 @overload
 def export_unit(index: Index, kind: str, uid: Any) -> tuple[UnitKey, Unit | None]: ...
 

@@ -30,6 +30,9 @@ import xxhash
 
 from kvconductor.kernel import KERNEL
 
+if KERNEL is not None:
+    from kvconductor import _kernel
+
 MASK64 = (1 << 64) - 1
 BASE_SEED = 1337
 
@@ -50,7 +53,7 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32; OverflowError outside u32, TypeError
     for a non-integer."""
     if KERNEL is not None:
-        return KERNEL.pack_tokens(token_ids)
+        return _kernel.pack_tokens(token_ids)
     packed = array("I", token_ids)
     if _BIG_ENDIAN:  # pragma: no cover - every supported platform is little-endian
         packed.byteswap()
@@ -64,14 +67,14 @@ def tokens_from_msgpack(raw: bytes | msgspec.Raw) -> bytes | None:
     Decoders keep token arrays raw because a list of Python ints costs more
     than everything else an event carries; this packs them without one."""
     if KERNEL is not None:
-        return KERNEL.msgpack_tokens(raw)
+        return _kernel.msgpack_tokens(raw)
     return _packed_or_none(_decode_msgpack_tokens, raw)
 
 
 def tokens_from_json(raw: bytes | msgspec.Raw) -> bytes | None:
     """`tokens_from_msgpack` for a JSON array (a query's prompt)."""
     if KERNEL is not None:
-        return KERNEL.json_tokens(raw)
+        return _kernel.json_tokens(raw)
     return _packed_or_none(_decode_json_tokens, raw)
 
 
@@ -106,7 +109,7 @@ def chain_identities(
     at the root)."""
     if extra is None:
         if KERNEL is not None:
-            return KERNEL.chain_identities(token_bytes, n_blocks, block_size, parent)
+            return _kernel.chain_identities(token_bytes, n_blocks, block_size, parent)
         return _plain_chain(token_bytes, n_blocks, block_size, parent)
     step = block_size * 4
     out: list[int] = []

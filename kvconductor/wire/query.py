@@ -7,6 +7,9 @@ import msgspec
 from kvconductor.kernel import KERNEL
 from kvconductor.wire.hashing import tokens_from_json
 
+if KERNEL is not None:
+    from kvconductor import _kernel
+
 
 class TokenQuery(msgspec.Struct, frozen=True):
     model: str
@@ -57,7 +60,7 @@ def read_token_query(body: bytes) -> tuple[TokenQuery, bytes] | None:
     msgspec's `Raw` cost a scan of the whole prompt before the tokens were
     parsed in a second."""
     if KERNEL is not None:
-        read = KERNEL.read_token_query(body)
+        read = _kernel.read_token_query(body)
         if read is None:
             return None
         model, block_size, packed, lora, tenant, instance, salt = read

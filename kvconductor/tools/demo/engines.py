@@ -38,12 +38,20 @@ from typing import Any
 import msgspec
 import xxhash
 
+from kvconductor.wire.encode import (
+    VllmAllBlocksCleared,
+    VllmEvent,
+    vllm_payload,
+    vllm_removed,
+    vllm_stored,
+)
+
 DEMO_MODEL = "demo/llama-3-8b"
 DEMO_BLOCK_SIZE = 16
 DEMO_POOL = "mooncake-0"
 
 Headers = list[tuple[str, bytes]]
-Event = dict[str, Any]
+Event = dict[str, Any]  # a Mooncake pool event
 BlockHash = int | bytes
 
 
@@ -160,34 +168,11 @@ def block_stored(
     tokens: list[int],
     medium: str,
     block_size: int,
-) -> Event:
-    """vLLM 0.33 `BlockStored` (tagged map). Token-less (hash-only) offload
-    stores carry `token_ids: []` and `block_size: 0`, as vLLM's offloading
-    connector sends them without `self_describing_kv_events`."""
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": block_size if tokens else 0,
-        "lora_id": None,
-        "medium": medium,
-        "lora_name": None,
-        "group_idx": 0,
-        "kv_cache_spec_kind": "full_attention",
-    }
-
-
-def block_removed(hashes: list[BlockHash], medium: str) -> Event:
-    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0}
-
-
-def all_blocks_cleared() -> Event:
-    return {"type": "AllBlocksCleared"}
-
-
-def engine_payload(events: list[Event], dp_rank: int, ts: float) -> bytes:
-    return msgspec.msgpack.encode([ts, events, dp_rank])
+) -> VllmEvent:
+    """Token-less (hash-only) offload stores carry `token_ids: []` and
+    `block_size: 0`, as vLLM's offloading connector sends them without
+    `self_describing_kv_events`."""
+    return vllm_stored(hashes, parent, tokens, medium, block_size if tokens else 0)
 
 
 def pool_event(event_id: int, event_type: str, hashes: list[int], medium: str | None) -> Event:
@@ -313,11 +298,11 @@ class SimEngine:
             out.append(parent)
         return out
 
-    def serve(self, tokens: list[int]) -> tuple[list[Event], list[int]]:
+    def serve(self, tokens: list[int]) -> tuple[list[VllmEvent], list[int]]:
         """Events of one request's prefill; and the blocks offloaded to the pool."""
         bs = self.block_size
         hashes = self.hashes(tokens)
-        events: list[Event] = []
+        events: list[VllmEvent] = []
         first = next((i for i, h in enumerate(hashes) if h not in self.gpu), len(hashes))
         if first < len(hashes):
             parent = hashes[first - 1] if first else None
@@ -341,24 +326,24 @@ class SimEngine:
                 events.append(block_stored(victims, None, [], "CPU", bs))
                 for h in victims:
                     self.cpu.touch(h)
-            events.append(block_removed(victims, "GPU"))
+            events.append(vllm_removed(victims, "GPU"))
         spilled = self.cpu.overflow()
         if spilled:
             if self.spec.disk_blocks:
                 events.append(block_stored(spilled, None, [], "DISK", bs))
                 for h in spilled:
                     self.disk.touch(h)
-            events.append(block_removed(spilled, "CPU"))
+            events.append(vllm_removed(spilled, "CPU"))
         dropped = self.disk.overflow()
         if dropped:
-            events.append(block_removed(dropped, "DISK"))
+            events.append(vllm_removed(dropped, "DISK"))
         return events, offloaded
 
-    def clear(self) -> list[Event]:
+    def clear(self) -> list[VllmEvent]:
         self.gpu.blocks.clear()
         self.cpu.blocks.clear()
         self.disk.blocks.clear()
-        return [all_blocks_cleared()]
+        return [VllmAllBlocksCleared()]
 
 
 class SimPool:
@@ -577,12 +562,12 @@ class Traffic:
         self._seq: dict[tuple[str, int], int] = {}
         self._pool_seq = 0
 
-    async def _send_engine(self, engine: SimEngine, events: list[Event]) -> None:
+    async def _send_engine(self, engine: SimEngine, events: list[VllmEvent]) -> None:
         spec = engine.spec
         key = (spec.instance, spec.dp_rank)
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
-        await self.sink.engine(spec, engine_payload(events, spec.dp_rank, time.time()), seq)
+        await self.sink.engine(spec, vllm_payload(events, spec.dp_rank, time.time()), seq)
         self.stats.engine_records += 1
         self.stats.events += len(events)
 
@@ -603,7 +588,7 @@ class Traffic:
             # dead-letters it; see `kvconductor dead-letters list`.
             await self.sink.raw(
                 b"misconfigured-bridge",
-                engine_payload([all_blocks_cleared()], 0, time.time()),
+                vllm_payload([VllmAllBlocksCleared()], 0, time.time()),
                 [("kv-model", DEMO_MODEL.encode())],
             )
             self.stats.poison += 1

@@ -28,11 +28,17 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from consumers.dead_letters import DLQ_KIND, DLQ_OFFSET, DLQ_PARTITION, DLQ_TOPIC
 from kvconductor.config import Config, KafkaConfig, kafka_client_options
 from kvconductor.index.conductor import Conductor
-from kvconductor.index.fleet import Index, IndexLimits
+from kvconductor.index.fleet import IndexLimits
 from kvconductor.kafka.clients import refresh_metadata
 from kvconductor.service.daemon import EXPIRE_EVERY_S
 from kvconductor.service.replica import Replica
-from kvconductor.snapshots.units import UnitKey, export_pending, retired_entries, state_fingerprint
+from kvconductor.snapshots.units import (
+    UnitKey,
+    export_pending,
+    namespace_keys,
+    retired_entries,
+    state_fingerprint,
+)
 from kvconductor.tools.soak.traffic import Where, record_digest
 from kvconductor.wire.errors import BadRecord
 from kvconductor.wire.query import TokenQuery
@@ -112,11 +118,11 @@ def replay(limits: IndexLimits, partitions: Partitions, pool_topic: str) -> Repl
             rejected[where(r)] = exc.kind
         except Exception:  # the daemon dead-letters a bug's victim the same way
             rejected[where(r)] = "internal_error"
-        now = conductor.index.now
+        now = conductor.now
         if now - expired_at >= EXPIRE_EVERY_S:
             conductor.expire(now)
             expired_at = now
-    conductor.expire(conductor.index.now)
+    conductor.expire(conductor.now)
     return Replay(conductor, records, rejected)
 
 
@@ -187,7 +193,7 @@ async def daemon_answers(
 
 
 class FinalState(NamedTuple):
-    restored: Index
+    restored: Conductor
     offsets: dict[TopicPartition, int]  # source partition -> next offset, as recorded
 
 
@@ -197,7 +203,7 @@ async def daemon_final_state(cfg: Config) -> FinalState:
     replica = Replica(cfg, follow="none", client_id=f"{cfg.kafka.client_id}-soak-restore")
     await replica.start()
     try:
-        return FinalState(replica.index, replica.offsets())
+        return FinalState(replica.conductor, replica.offsets())
     finally:
         with contextlib.suppress(Exception):
             await replica.stop()
@@ -207,10 +213,10 @@ def _is_pending(key: UnitKey) -> bool:
     return bool(key[0] == PENDING_UNIT)
 
 
-def differing_units(got: Index, want: Index) -> tuple[list[str], int]:
+def differing_units(got: Conductor, want: Conductor) -> tuple[list[str], int]:
     """Snapshot units other than pending halves that differ, with which side
     has them; and how many units were compared."""
-    a, b = state_fingerprint(got), state_fingerprint(want)
+    a, b = state_fingerprint(got.snapshot_state()), state_fingerprint(want.snapshot_state())
     out = []
     keys = {k for k in a.keys() | b.keys() if not _is_pending(k)}
     for key in sorted(keys, key=repr):
@@ -228,10 +234,11 @@ class PendingDiff(NamedTuple):
     max_skew_s: float  # the largest difference of one entry's time on the two sides
 
 
-def _pending_entries(index: Index) -> dict[tuple[Any, ...], float]:
+def _pending_entries(conductor: Conductor) -> dict[tuple[Any, ...], float]:
     """Every pending half and retired content, without its time -> its time."""
     out: dict[tuple[Any, ...], float] = {}
-    for ns_key in index.namespaces:
+    index = conductor.snapshot_state()
+    for ns_key in namespace_keys(index):
         unit = export_pending(index, ns_key)
         if unit is not None:
             for e in [*unit.entries, *retired_entries(unit)]:
@@ -239,7 +246,9 @@ def _pending_entries(index: Index) -> dict[tuple[Any, ...], float]:
     return out
 
 
-def pending_differences(got: Index, want: Index, max_age_s: float, band_s: float) -> PendingDiff:
+def pending_differences(
+    got: Conductor, want: Conductor, max_age_s: float, band_s: float
+) -> PendingDiff:
     """Pending halves and retired content on one side only.
 
     Their time is the namespace's clock when they were added: the newest

@@ -452,11 +452,11 @@ class Soak:
         if code != 0:
             problems.append(f"the daemon exited with code {code} on SIGTERM")
         final = await daemon_final_state(cfg)
-        units, compared = differing_units(final.restored, rerun.conductor.index)
+        units, compared = differing_units(final.restored, rerun.conductor)
         if units:
             problems.append(f"{len(units)} snapshot units differ from the replay: {units[:8]}")
         pending = pending_differences(
-            final.restored, rerun.conductor.index, cfg.index.max_pending_age_s, PENDING_BAND_S
+            final.restored, rerun.conductor, cfg.index.max_pending_age_s, PENDING_BAND_S
         )
         if pending.problems:
             problems.append(

@@ -32,12 +32,11 @@ from kvconductor.tools.demo.engines import (
     Headers,
     Traffic,
     _Lru,
-    all_blocks_cleared,
     block_stored,
-    engine_payload,
     pool_event,
     pool_payload,
 )
+from kvconductor.wire.encode import VllmAllBlocksCleared, vllm_payload
 from kvconductor.wire.records import (
     KV_BLOCK_SIZE,
     KV_CONTROL,
@@ -171,7 +170,7 @@ def hostile(kind: str, instance: bytes, rng: random.Random) -> Hostile:
     clears an instance's blocks, so one wrongly accepted would show in the
     index; they are keyed like real instances' records, so they land in the
     middle of real partitions."""
-    cleared = engine_payload([all_blocks_cleared()], 0, time.time())
+    cleared = vllm_payload([VllmAllBlocksCleared()], 0, time.time())
     key: bytes | None = DEMO_POOL.encode() if kind.startswith("pool-") else instance
     value: bytes | None = cleared
     headers = _engine_headers()
@@ -213,14 +212,14 @@ def hostile(kind: str, instance: bytes, rng: random.Random) -> Hostile:
         case "token-out-of-range":
             tokens = [2**33] * DEMO_BLOCK_SIZE
             event = block_stored([rng.getrandbits(63)], None, tokens, "GPU", DEMO_BLOCK_SIZE)
-            value = engine_payload([event], 0, time.time())
+            value = vllm_payload([event], 0, time.time())
         case "pool-garbage":
             value = rng.randbytes(64)
         case "pool-unknown-event":
             value = pool_payload([pool_event(1, "exploded", [1, 2], "cpu")], time.time())
         case "pool-negative-block-size":
-            event = {**pool_event(1, "stored", [3], "cpu"), "block_size": -16}
-            value = pool_payload([event], time.time())
+            negative = {**pool_event(1, "stored", [3], "cpu"), "block_size": -16}
+            value = pool_payload([negative], time.time())
         case _:
             raise ValueError(f"unknown hostile record kind {kind!r}")
     return Hostile(kind, pool, key, value, headers)
