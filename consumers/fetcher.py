@@ -28,8 +28,8 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol, cast
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -49,6 +49,9 @@ from kvconductor.index.conductor import Incoming
 from kvconductor.kernel import KERNEL
 from kvconductor.obs.logs import RateLimitedLog
 from kvconductor.wire.records import KV_KIND, KV_ORIGIN_KEY
+
+if KERNEL is not None:
+    from kvconductor import _kernel
 
 log = structlog.get_logger("kvconductor.fetcher")
 
@@ -76,67 +79,15 @@ def _inflate(codec: int, data: bytes) -> bytes:
     return bytes(decode(data))
 
 
-class Fetched(Protocol):
-    """kernel/src/record_batch.rs `Fetched`: one partition's records read."""
-
-    records: list[Incoming]
-    offsets: list[int]
-    timestamps: list[int]
-    next_offset: int
-    error: str | None
-
-    def __len__(self) -> int: ...
-
-    def remaining(self, start: int) -> int: ...
-
-
-class Merged(Protocol):
-    """kernel/src/record_batch.rs `Merged`: partitions' records in produce order."""
-
-    records: list[Incoming]
-
-    def __len__(self) -> int: ...
-
-    def at(self, i: int) -> tuple[int, int, int]: ...
-
-    def through(self, start: int, end: int) -> list[tuple[int, int, int]]: ...
-
-
-class Reader(Protocol):
-    def read(
-        self,
-        data: bytes,
-        fetch_offset: int,
-        pool: bool | None,
-        aborted: list[tuple[int, int]] | None = None,
-        read_committed: bool = True,
-    ) -> Fetched: ...
-
-
-class _Kernel(Protocol):
-    """kernel/src/record_batch.rs's Python edge."""
-
-    def RecordReader(
-        self,
-        incoming: type[Incoming],
-        inflate: Callable[[int, bytes], bytes],
-        kind_header: str,
-        origin_key_header: str,
-        check_crc: bool = True,
-    ) -> Reader: ...
-
-    def merge_fetched(self, parts: list[Fetched], starts: list[int], limit: int) -> Merged: ...
-
-
-def _kernel() -> _Kernel:
+def _require_kernel() -> None:
     if KERNEL is None:
         raise RuntimeError("fetch_path = native needs the compiled kernel (kvconductor._kernel)")
-    return cast(_Kernel, KERNEL)
 
 
-def record_reader(check_crc: bool = True) -> Reader:
+def record_reader(check_crc: bool = True) -> _kernel.RecordReader:
     """The kernel's reader of fetched record batches into `Incoming`s."""
-    return _kernel().RecordReader(Incoming, _inflate, KV_KIND, KV_ORIGIN_KEY, check_crc)
+    _require_kernel()
+    return _kernel.RecordReader(Incoming, _inflate, KV_KIND, KV_ORIGIN_KEY, check_crc)
 
 
 class FetchedRecord(NamedTuple):
@@ -156,7 +107,7 @@ class NativeBatch:
     """Records of several partitions in produce order (`event_consumer.
     in_produce_order`'s order), as the event consumer applies them."""
 
-    def __init__(self, merged: Merged, tps: list[TopicPartition]) -> None:
+    def __init__(self, merged: _kernel.Merged, tps: list[TopicPartition]) -> None:
         self.merged = merged
         self.tps = tps
         self.incoming: Sequence[Incoming] = merged.records
@@ -197,7 +148,7 @@ class _Partition:
     def __init__(self, position: int) -> None:
         self.position = position  # past the last record handed out
         self.fetch_at = position  # the next fetch's offset
-        self.buffered: deque[Fetched] = deque()  # reads not all handed out, in order
+        self.buffered: deque[_kernel.Fetched] = deque()  # reads not all handed out, in order
         self.highwater: int | None = None
         self.lso: int | None = None
         self.answered_ms: int | None = None  # when its leader last answered a fetch
@@ -232,7 +183,8 @@ class NativeFetcher:
         self.client = client
         self.modes = dict(modes)
         self.reader = record_reader(check_crc)
-        self._merge = _kernel().merge_fetched
+        _require_kernel()
+        self._merge = _kernel.merge_fetched
         self._isolation = ISOLATION[isolation_level]
         self._reset = auto_offset_reset
         self._max_wait_ms = fetch_max_wait_ms
@@ -346,7 +298,7 @@ class NativeFetcher:
         partitions in `assigned` only; the next fetches go out at once, to
         run while these are applied."""
         tps: list[TopicPartition] = []
-        parts: list[Fetched] = []
+        parts: list[_kernel.Fetched] = []
         starts: list[int] = []
         for tp, st in self.parts.items():
             if not st.buffered or tp not in assigned:

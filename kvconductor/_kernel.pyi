@@ -6,7 +6,7 @@
 # Keep this in step with the #[pymethods] signatures.
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, final
 
 import msgspec
 
@@ -21,10 +21,11 @@ class _JsonShape(Protocol):
     # satisfies the Protocol its Python twin shares.
     def shape_json(self, lengths: _Matched) -> bytes: ...
 
+@final
 class BlockStore:
     """kernel/src/store.rs: a namespace's per-block state."""
 
-    def __init__(self, max_retired: int, max_age_s: float) -> None: ...
+    def __new__(cls, max_retired: int, max_age_s: float) -> BlockStore: ...
     def set_now(self, now: float) -> None: ...
     def ident(self, seq: int) -> int | None: ...
     def identities_of(self, seqs: Sequence[int]) -> list[int]: ...
@@ -85,16 +86,17 @@ class BlockStore:
     ) -> bytes: ...
     def dump(self) -> dict[str, object]: ...
 
+@final
 class AnswerShape:
     """kernel/src/shape.rs: one namespace's owners, as its answers lay them out."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         tenant: str,
         tenant_json: bytes,
         block_size: int,
         layout: Sequence[tuple[str, bytes, Sequence[tuple[int, int]]]],
-    ) -> None: ...
+    ) -> AnswerShape: ...
     def set_instance(
         self, name: str, name_json: bytes, ranks: Sequence[tuple[int, int]]
     ) -> None: ...
@@ -114,12 +116,13 @@ RunOut = tuple[
     int, int, int | None, float, list[tuple[str, int]], list[Gap], list[CtxOut], list[InstOut]
 ]
 
+@final
 class EngineLane:
     """kernel/src/lane.rs: batches of engine records applied in the kernel."""
 
-    def __init__(
-        self, full_kinds: list[str], engine_tier: Callable[[str | None], int | None]
-    ) -> None: ...
+    def __new__(
+        cls, full_kinds: list[str], engine_tier: Callable[[str | None], int | None]
+    ) -> EngineLane: ...
     # `records`: a list of `kvconductor.wire.records.Incoming`.
     def run(self, records: list[Any], start: int, now: float) -> RunOut: ...
     def add_context(
@@ -154,3 +157,54 @@ def json_tokens(raw: bytes | msgspec.Raw) -> bytes | None: ...
 def read_token_query(
     body: bytes,
 ) -> tuple[str, int, bytes, str | None, str | None, str | None, str | None] | None: ...
+
+# kernel/src/record_batch.rs: Kafka record batches read into
+# `kvconductor.wire.records.Incoming`s (the native fetch path).
+@final
+class Fetched:
+    """One partition's records read from a fetch response."""
+
+    @property
+    def records(self) -> list[Any]: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def timestamps(self) -> list[int]: ...
+    @property
+    def next_offset(self) -> int: ...
+    @property
+    def error(self) -> str | None: ...
+    def __len__(self) -> int: ...
+    def remaining(self, start: int) -> int: ...
+
+@final
+class Merged:
+    """Partitions' records in produce order."""
+
+    @property
+    def records(self) -> list[Any]: ...
+    def __len__(self) -> int: ...
+    def at(self, i: int) -> tuple[int, int, int]: ...
+    def through(self, start: int, end: int) -> list[tuple[int, int, int]]: ...
+
+@final
+class RecordReader:
+    def __new__(
+        cls,
+        incoming: type[Any],
+        inflate: Callable[[int, bytes], bytes],
+        kind_header: str,
+        origin_key_header: str,
+        check_crc: bool = True,
+    ) -> RecordReader: ...
+    def read(
+        self,
+        data: bytes,
+        fetch_offset: int,
+        pool: bool | None,
+        aborted: list[tuple[int, int]] | None = None,
+        read_committed: bool = True,
+    ) -> Fetched: ...
+
+def merge_fetched(parts: list[Fetched], starts: list[int], limit: int) -> Merged: ...
+def crc32c(data: bytes) -> int: ...
