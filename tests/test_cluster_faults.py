@@ -434,7 +434,7 @@ async def test_topics_are_checked_past_a_frozen_node(cluster: Cluster) -> None:
     finally:
         cluster.signal(frozen, signal.SIGCONT)
     await cluster.healthy()
-    assert took < 15.0, f"{took:.1f} s with a node frozen (the request timeout is 40 s)"
+    assert took < 15.0, f"{took:.1f} s with a node frozen (aiokafka's request timeout is 40 s)"
 
 
 async def test_broker_faults_on_a_cluster(cluster: Cluster) -> None:
