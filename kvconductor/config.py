@@ -110,10 +110,14 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     # instead of waiting out the old member's session. Unset: client_id.
     static_membership: bool = True
     group_instance_id: str | None = None
+    # Failover timeouts (docs/operations.md, "Failover and timeouts", has
+    # the measurements and why): a frozen coordinator is replaced before the
+    # session expires (request < broker fencing 9 s + session), a JoinGroup
+    # outlasts the rebalance (request > session).
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
-    request_timeout_ms: int = 40_000
-    metadata_max_age_ms: int = 300_000
+    request_timeout_ms: int = 15_000
+    metadata_max_age_ms: int = 30_000
     # A partition whose index is this far behind makes /ready 503.
     stale_after_s: float = 10.0
     security_protocol: SecurityProtocol = "PLAINTEXT"
@@ -569,6 +573,15 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
             f"must be below session_timeout_ms {k.session_timeout_ms}, "
             f"got {k.heartbeat_interval_ms}",
         )
+    # The coordinator holds a JoinGroup up to the rebalance timeout, which
+    # aiokafka sets to the session timeout and waits for within the request
+    # timeout: shorter, a rebalance of two members would time out and retry.
+    if k.request_timeout_ms <= k.session_timeout_ms:
+        raise fail(
+            "kafka",
+            "request_timeout_ms",
+            f"must exceed session_timeout_ms {k.session_timeout_ms}, got {k.request_timeout_ms}",
+        )
     if k.group_instance_id is not None and not k.group_instance_id.strip():
         raise fail("kafka", "group_instance_id", "must not be blank")
     if k.group_instance_id is not None and not k.static_membership:
@@ -687,7 +700,7 @@ def kafka_client_options(kafka: KafkaConfig) -> dict[str, object]:
 
 def kafka_service_options(kafka: KafkaConfig) -> dict[str, object]:
     """`kafka_client_options` and the request and metadata timeouts, for
-    the clients of a long-running service (the daemon, a replica)."""
+    the clients of a long-running service (the daemon, a replica, the bridge)."""
     return {
         **kafka_client_options(kafka),
         "request_timeout_ms": kafka.request_timeout_ms,

@@ -19,7 +19,13 @@ fault kind, how long the daemon took to be ready again after the fault.
 Slow (a few minutes): run only with KVCONDUCTOR_TEST_CLUSTER=1 (.ci/run does);
 KVCONDUCTOR_TEST_CLUSTER_DIR names the folder of a running local cluster to use
 instead of starting one; KVCONDUCTOR_TEST_CLUSTER_ROUNDS=N injects each fault
-N times a run.
+N times a run; KVCONDUCTOR_TEST_CLUSTER_KAFKA, a JSON object of `[kafka]` keys,
+sets them in both daemons' configuration, to measure the failover timeouts
+(docs/operations.md, "Failover and timeouts") with others than the defaults:
+
+    KVCONDUCTOR_TEST_CLUSTER=1 KVCONDUCTOR_TEST_CLUSTER_ROUNDS=2 \
+    KVCONDUCTOR_TEST_CLUSTER_KAFKA='{"session_timeout_ms": 6000, "heartbeat_interval_ms": 2000}' \
+    .venv/bin/python -m pytest -s -m cluster tests/test_cluster_faults.py -k faults_on_a_cluster
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import msgspec
 import pytest
 from aiokafka.client import CoordinationType
 
-from kvconductor.config import load_config
+from kvconductor.config import KafkaConfig, load_config
 from kvconductor.kafka.clients import LiveAdminClient
 from kvconductor.kafka.topics import ensure_topics_on, topic_specs
 from kvconductor.snapshots.units import state_fingerprint
@@ -88,6 +94,11 @@ STALE_AFTER_S = 3.0
 # faults outlast the default 300 s.
 MAX_PENDING_AGE_S = "86400"
 READY_WITHIN_S = 120.0
+# `[kafka]` keys over the daemon's configuration, as the env vars that set them.
+KAFKA_ENV: dict[str, str] = {
+    f"KVCONDUCTOR_KAFKA_{key.upper()}": value if isinstance(value, str) else json.dumps(value)
+    for key, value in json.loads(os.environ.get("KVCONDUCTOR_TEST_CLUSTER_KAFKA", "{}")).items()
+}
 
 
 # ----------------------------------------------------------------- the cluster
@@ -325,12 +336,17 @@ class Figures:
     ready_after: dict[str, list[float]] = field(default_factory=dict)
     stale_seen: dict[str, list[str]] = field(default_factory=dict)
 
-    def report(self, title: str) -> None:
-        print(f"\n{title}:")
+    def report(self, title: str, kafka: KafkaConfig) -> None:
+        timeouts = ("session_timeout_ms", "heartbeat_interval_ms", "request_timeout_ms")
+        settings = ", ".join(
+            f"{key} {getattr(kafka, key)}" for key in (*timeouts, "metadata_max_age_ms")
+        )
+        print(f"\n{title} ({settings}):")
         for kind, times in self.ready_after.items():
             print(
                 f"  {kind}: {len(times)} injected, ready again after median "
-                f"{statistics.median(times):.1f} s, max {max(times):.1f} s"
+                f"{statistics.median(times):.1f} s, max {max(times):.1f} s "
+                f"(each: {', '.join(f'{t:.1f}' for t in times)})"
             )
 
 
@@ -415,7 +431,7 @@ async def test_topics_are_checked_past_a_frozen_node(cluster: Cluster) -> None:
     finally:
         cluster.signal(frozen, signal.SIGCONT)
     await cluster.healthy()
-    assert took < 15.0, f"{took:.1f} s with a node frozen (the request timeout is 40 s)"
+    assert took < 15.0, f"{took:.1f} s with a node frozen (aiokafka's request timeout is 40 s)"
 
 
 async def test_broker_faults_on_a_cluster(cluster: Cluster) -> None:
@@ -425,16 +441,18 @@ async def test_broker_faults_on_a_cluster(cluster: Cluster) -> None:
         KVCONDUCTOR_SNAPSHOT_INTERVAL_S="0.1",
         KVCONDUCTOR_KAFKA_STALE_AFTER_S=str(STALE_AFTER_S),
         KVCONDUCTOR_INDEX_MAX_PENDING_AGE_S=MAX_PENDING_AGE_S,
+        **KAFKA_ENV,
     )
     run = await new_run(cluster.bootstrap, cfg)
     async with feeding(run), running(run.cfg) as daemon:
         await wait_ready(daemon_port(daemon), 90)
         async with watching(daemon_port(daemon)) as watch:
             figures = await inject_all(cluster, run, watch, rng)
+        # The figures first: a failed check below still leaves them.
+        figures.report("broker faults on three nodes", run.cfg.kafka)
         assert (watch.unanswered, watch.asked > 100) == (0, True)
         await check_outcome(run, daemon, [])
     check_stale_reported(figures, run)
-    figures.report("broker faults on three nodes")
 
 
 async def test_broker_and_daemon_faults_on_a_cluster(
@@ -446,6 +464,8 @@ async def test_broker_and_daemon_faults_on_a_cluster(
     write_daemon_config(config, cluster.bootstrap, port)
     monkeypatch.setenv("KVCONDUCTOR_KAFKA_STALE_AFTER_S", str(STALE_AFTER_S))
     monkeypatch.setenv("KVCONDUCTOR_INDEX_MAX_PENDING_AGE_S", MAX_PENDING_AGE_S)
+    for name, value in KAFKA_ENV.items():
+        monkeypatch.setenv(name, value)
     run = await new_run(cluster.bootstrap, load_config(config))
     k = run.cfg.kafka
     lives = DaemonLives(config, tmp_path)
@@ -465,6 +485,8 @@ async def test_broker_and_daemon_faults_on_a_cluster(
         await wait_ready(port, 90)
         async with watching(port) as watch:
             figures = await inject_all(cluster, run, watch, rng, during=daemon_killed)
+        figures.ready_after["daemon SIGKILL + restart during the fault"] = restarts
+        figures.report("broker faults with daemon SIGKILLs on three nodes", run.cfg.kafka)
         ends = await end_offsets(cluster.bootstrap, run.topics)
         _, want = await stream_in_topics(run)
 
@@ -479,5 +501,3 @@ async def test_broker_and_daemon_faults_on_a_cluster(
             fingerprint_diff(await snapshot_at(run, ends), state_fingerprint(want.snapshot_state()))
             == []
         )
-    figures.ready_after["daemon SIGKILL + restart during the fault"] = restarts
-    figures.report("broker faults with daemon SIGKILLs on three nodes")

@@ -222,6 +222,8 @@ def test_every_key_is_settable_from_env(tmp_path: Path) -> None:
             raw = want = next(c for c in reversed(choices) if c != info.default)
         elif info.key == "bootstrap_servers":
             raw = want = "other:1234"
+        elif info.key == "request_timeout_ms":  # above session_timeout_ms
+            raw, want = "43210", 43210
         else:
             raw, want = samples[info.type]
         if info.secret:
@@ -277,6 +279,10 @@ def test_every_key_is_settable_from_env(tmp_path: Path) -> None:
             "[kafka] heartbeat_interval_ms: must be below session_timeout_ms 10000",
         ),
         ("[kafka]\nsession_timeout_ms = 0\n", "[kafka] session_timeout_ms: must be at least 1"),
+        (
+            "[kafka]\nsession_timeout_ms = 20000\nrequest_timeout_ms = 20000\n",
+            "[kafka] request_timeout_ms: must exceed session_timeout_ms 20000, got 20000",
+        ),
         ("[kafka]\ngroup_instance_id = ' '\n", "[kafka] group_instance_id: must not be blank"),
         ("[kafka]\nstale_after_s = 0\n", "[kafka] stale_after_s: must be positive, got 0"),
         ("[kafka]\ntopic_check = 'maybe'\n", "[kafka] topic_check: expected one of warn, error"),

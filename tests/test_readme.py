@@ -86,6 +86,7 @@ def test_environment_variables_in_docs_exist() -> None:
         "KVCONDUCTOR_TEST_CLUSTER",
         "KVCONDUCTOR_TEST_CLUSTER_DIR",
         "KVCONDUCTOR_TEST_CLUSTER_ROUNDS",
+        "KVCONDUCTOR_TEST_CLUSTER_KAFKA",
     }
     for doc in OPERATOR_DOCS:
         named = set(re.findall(r"\bKVCONDUCTOR_[A-Z0-9_]*[A-Z0-9]", doc.read_text()))

@@ -36,7 +36,7 @@ from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeConfig
 from kvconductor.bridge.metrics import BridgeMetrics
 from kvconductor.bridge.records import Entry
-from kvconductor.config import kafka_client_options
+from kvconductor.config import kafka_service_options
 from kvconductor.kafka.clients import retire
 from kvconductor.kafka.partitioner import default_partition
 from kvconductor.registry.publishers import StreamKey
@@ -94,7 +94,7 @@ class Sink:
             max_request_size=b.max_request_size,
             max_batch_size=b.batch_size,
             compression_type=None if b.compression_type == "none" else b.compression_type,
-            **kafka_client_options(k),
+            **kafka_service_options(k),
         )
 
     def _new_reader(self) -> Any:
@@ -107,7 +107,7 @@ class Sink:
             auto_offset_reset="earliest",
             fetch_max_wait_ms=100,
             max_partition_fetch_bytes=max(4 * 1024 * 1024, b.max_request_size),
-            **kafka_client_options(k),
+            **kafka_service_options(k),
         )
 
     async def _start_clients(self) -> tuple[Any, Any]:
