@@ -24,6 +24,7 @@ from typing import NamedTuple
 import msgspec
 
 from kvconductor.wire.encode import VllmEvent, vllm_payload, vllm_removed, vllm_stored
+from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_OFFLOAD, KV_SEQ, KV_SOURCE
 
 # A block of a prompt: (engine sequence hash, contract local hash, identity).
 Block = tuple[int, int, int]
@@ -94,10 +95,10 @@ class Instance:
         self.host: OrderedDict[int, None] = OrderedDict()
         self.seq = 0
         self.headers = [
-            ("kv-model", model.encode()),
-            ("kv-block-size", str(block_size).encode()),
-            ("kv-source", b"vllm"),
-            ("kv-offload", b"pool" if pool_mode else b"local"),
+            (KV_MODEL, model.encode()),
+            (KV_BLOCK_SIZE, str(block_size).encode()),
+            (KV_SOURCE, b"vllm"),
+            (KV_OFFLOAD, b"pool" if pool_mode else b"local"),
         ]
 
 
@@ -146,7 +147,7 @@ def engine_record(
     blocks: int,
 ) -> Record:
     """One engine-topic record: the instance's headers and its `kv-seq`."""
-    headers = [*headers, ("kv-seq", str(seq).encode())]
+    headers = [*headers, (KV_SEQ, str(seq).encode())]
     return Record(False, key, headers, vllm_payload(events, 0, ts), ts, blocks, len(events))
 
 
@@ -200,8 +201,8 @@ class Cluster:
         ]
         self.backends = [PoolBackend(f"mooncake-{b}") for b in range(max(pool_backends, 1))]
         self.pool_headers = [
-            ("kv-model", model.encode()),
-            ("kv-block-size", str(block_size).encode()),
+            (KV_MODEL, model.encode()),
+            (KV_BLOCK_SIZE, str(block_size).encode()),
         ]
         self.streams = Streams()
         self.clock = 1_700_000_000.0

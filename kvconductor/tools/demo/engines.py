@@ -45,6 +45,14 @@ from kvconductor.wire.encode import (
     vllm_removed,
     vllm_stored,
 )
+from kvconductor.wire.records import (
+    KV_BLOCK_SIZE,
+    KV_DP_RANK,
+    KV_MODEL,
+    KV_OFFLOAD,
+    KV_SEQ,
+    KV_SOURCE,
+)
 
 DEMO_MODEL = "demo/llama-3-8b"
 DEMO_BLOCK_SIZE = 16
@@ -401,20 +409,20 @@ class TrafficStats:
 
 def engine_headers(spec: EngineSpec, seq: int) -> Headers:
     return [
-        ("kv-model", DEMO_MODEL.encode()),
-        ("kv-block-size", str(DEMO_BLOCK_SIZE).encode()),
-        ("kv-source", b"vllm"),
-        ("kv-seq", str(seq).encode()),
-        ("kv-dp-rank", str(spec.dp_rank).encode()),
-        ("kv-offload", spec.offload.encode()),
+        (KV_MODEL, DEMO_MODEL.encode()),
+        (KV_BLOCK_SIZE, str(DEMO_BLOCK_SIZE).encode()),
+        (KV_SOURCE, b"vllm"),
+        (KV_SEQ, str(seq).encode()),
+        (KV_DP_RANK, str(spec.dp_rank).encode()),
+        (KV_OFFLOAD, spec.offload.encode()),
     ]
 
 
 def pool_headers(seq: int) -> Headers:
     return [
-        ("kv-model", DEMO_MODEL.encode()),
-        ("kv-block-size", str(DEMO_BLOCK_SIZE).encode()),
-        ("kv-seq", str(seq).encode()),
+        (KV_MODEL, DEMO_MODEL.encode()),
+        (KV_BLOCK_SIZE, str(DEMO_BLOCK_SIZE).encode()),
+        (KV_SEQ, str(seq).encode()),
     ]
 
 
@@ -589,7 +597,7 @@ class Traffic:
             await self.sink.raw(
                 b"misconfigured-bridge",
                 vllm_payload([VllmAllBlocksCleared()], 0, time.time()),
-                [("kv-model", DEMO_MODEL.encode())],
+                [(KV_MODEL, DEMO_MODEL.encode())],
             )
             self.stats.poison += 1
 
