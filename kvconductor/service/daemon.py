@@ -48,10 +48,8 @@ from kvconductor.config import (
     kafka_fetch_options,
     kafka_group_options,
     kafka_service_options,
-    reveal,
 )
-from kvconductor.http.api import make_app
-from kvconductor.http.front import QuerySite
+from kvconductor.http.serve import serve_api
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.namespace import NamespaceKey
 from kvconductor.kafka.access import check_access
@@ -167,20 +165,9 @@ class Daemon:
 
     async def start_http(self) -> None:
         http = self.cfg.http
-        app = make_app(
-            self.conductor,
-            self.metrics,
-            ready=self.ready,
-            max_body_bytes=http.max_body_bytes,
-            auth_token=reveal(http.auth_token),
-            client_timeout_s=http.client_timeout_s,
-            registrations=self.registrations,
+        self._runner, self.http_port = await serve_api(
+            self.conductor, self.metrics, http, self.ready, self.registrations
         )
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = QuerySite(self._runner, http.host, http.port)
-        await site.start()
-        self.http_port = site.port
         # Which query path runs: a missing kernel is slower, not wrong.
         log.info("http listening", host=http.host, port=self.http_port, query_path=KERNEL_STATUS)
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import structlog
-from aiohttp import web
 from aiokafka.errors import KafkaError
 
-from kvconductor.config import Config, reveal
-from kvconductor.http.api import make_app
-from kvconductor.http.front import QuerySite
+from kvconductor.config import Config
+from kvconductor.http.serve import serve_api
 from kvconductor.lifecycle import FatalError, serve_until_signalled, with_backoff
 from kvconductor.registry.log import RegistrationLog
 from kvconductor.service.replica import Follow, Replica, ReplicaError, SnapshotUnusable
@@ -40,15 +38,6 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
         if http.registrations_topic
         else None
     )
-    app = make_app(
-        replica.conductor,
-        replica.metrics,
-        ready=replica.ready,
-        max_body_bytes=http.max_body_bytes,
-        auth_token=reveal(http.auth_token),
-        client_timeout_s=http.client_timeout_s,
-        registrations=registrations,
-    )
 
     async def start() -> None:
         # The replica first: it checks the credentials, once. Registrations
@@ -62,12 +51,11 @@ async def run_replica(cfg: Config, follow: Follow = "events") -> int:
             await registrations.start()
 
     async def serve() -> None:
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
+        runner, port = await serve_api(
+            replica.conductor, replica.metrics, http, replica.ready, registrations
+        )
         try:
-            site = QuerySite(runner, http.host, http.port)
-            await site.start()
-            log.info("replica http listening", host=http.host, port=site.port, follow=follow)
+            log.info("replica http listening", host=http.host, port=port, follow=follow)
             await with_backoff(
                 "starting the replica",
                 start,

@@ -1,0 +1,44 @@
+"""Serving the HTTP API from an index: the daemon's and the replica server's
+one way to start it (the aiohttp app behind the query front)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+
+from kvconductor.config import HttpConfig, reveal
+from kvconductor.http.api import make_app
+from kvconductor.http.front import QuerySite
+from kvconductor.index.conductor import Conductor
+from kvconductor.obs.metrics import Metrics
+from kvconductor.registry.log import RegistrationLog
+
+
+async def serve_api(
+    conductor: Conductor,
+    metrics: Metrics,
+    http: HttpConfig,
+    ready: Callable[[], tuple[bool, str]],
+    registrations: RegistrationLog | None,
+) -> tuple[web.AppRunner, int]:
+    """The API listening on `http.host`/`http.port`: its runner (to clean up)
+    and the port it got."""
+    app = make_app(
+        conductor,
+        metrics,
+        ready=ready,
+        max_body_bytes=http.max_body_bytes,
+        auth_token=reveal(http.auth_token),
+        client_timeout_s=http.client_timeout_s,
+        registrations=registrations,
+    )
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = QuerySite(runner, http.host, http.port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site.port
