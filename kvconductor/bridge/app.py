@@ -31,18 +31,14 @@ from kvconductor.bridge.registry import Registry
 from kvconductor.bridge.sink import Sink
 from kvconductor.bridge.stream import Stream, stream_keys
 from kvconductor.config import kafka_client_options, reveal
-from kvconductor.kafka.access import check_access
 from kvconductor.kafka.clients import until_kafka_answers
 from kvconductor.kafka.topics import (
-    Replication,
-    TopicError,
     TopicSpec,
     compacted_spec,
-    ensure_topics_on,
+    ensure_service_topics,
     event_topic_specs,
 )
 from kvconductor.lifecycle import (
-    FatalError,
     Lifecycle,
     Phase,
     serve_until_signalled,
@@ -206,19 +202,9 @@ class Bridge:
         await until_kafka_answers(what, attempt, self.lifecycle, self.stopping)
 
     async def _ensure_topics(self) -> None:
-        await check_access(self.cfg.kafka)  # a refused login or certificate: exit
-        try:
-            created = await ensure_topics_on(
-                self.cfg.kafka.bootstrap_servers,
-                f"{self.cfg.bridge.client_id}-admin",
-                kafka_client_options(self.cfg.kafka),
-                bridge_topic_specs(self.cfg),
-                Replication.of(self.cfg.kafka),
-            )
-        except TopicError as exc:
-            raise FatalError(str(exc)) from exc
-        if created:
-            log.info("topics created", topics=created)
+        k = self.cfg.kafka
+        admin = f"{self.cfg.bridge.client_id}-admin"
+        await ensure_service_topics(k, admin, kafka_client_options(k), bridge_topic_specs(self.cfg))
 
     async def run(self) -> None:
         """Run until `stop()`; raises FatalError for what needs a human."""

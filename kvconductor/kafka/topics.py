@@ -11,7 +11,9 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
 
 from kvconductor.config import Config, KafkaConfig
+from kvconductor.kafka.access import check_access
 from kvconductor.kafka.clients import LiveAdminClient
+from kvconductor.lifecycle import FatalError
 
 log = structlog.get_logger("kvconductor.topics")
 
@@ -234,3 +236,20 @@ async def ensure_topics_on(
         return await ensure_topics(admin, specs, replication)
     finally:
         await admin.close()
+
+
+async def ensure_service_topics(
+    k: KafkaConfig, client_id: str, options: Mapping[str, Any], specs: Sequence[TopicSpec]
+) -> None:
+    """A service's start-up: its access checked (a refused login or
+    certificate stops it), its topics created or checked (a topic that cannot
+    serve stops it with one line)."""
+    await check_access(k)
+    try:
+        created = await ensure_topics_on(
+            k.bootstrap_servers, client_id, options, specs, Replication.of(k)
+        )
+    except TopicError as exc:
+        raise FatalError(str(exc)) from exc
+    if created:
+        log.info("topics created", topics=created)

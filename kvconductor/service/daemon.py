@@ -52,13 +52,10 @@ from kvconductor.config import (
 from kvconductor.http.serve import serve_api
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.namespace import NamespaceKey
-from kvconductor.kafka.access import check_access
 from kvconductor.kafka.clients import retire, started, until_kafka_answers
 from kvconductor.kafka.partitioner import default_partition
 from kvconductor.kafka.topics import (
-    Replication,
-    TopicError,
-    ensure_topics_on,
+    ensure_service_topics,
     topic_specs,
 )
 from kvconductor.kernel import STATUS as KERNEL_STATUS
@@ -186,19 +183,8 @@ class Daemon:
         opts = kafka_service_options(self.cfg.kafka)
 
         async def attempt() -> None:
-            await check_access(self.cfg.kafka)  # a refused login or certificate: exit
-            try:
-                created = await ensure_topics_on(
-                    self.cfg.kafka.bootstrap_servers,
-                    self.cfg.kafka.client_id,
-                    opts,
-                    topic_specs(self.cfg),
-                    Replication.of(self.cfg.kafka),
-                )
-            except TopicError as exc:
-                raise FatalError(str(exc)) from exc
-            if created:
-                log.info("topics created", topics=created)
+            k = self.cfg.kafka
+            await ensure_service_topics(k, k.client_id, opts, topic_specs(self.cfg))
 
         self.lifecycle.move(Phase.STARTING, "creating topics")
         await self._with_backoff("creating topics", attempt)
