@@ -286,7 +286,9 @@ async def test_the_daemon_on_the_native_path(kafka_bootstrap: str) -> None:
         await produce(kafka_bootstrap, cfg.kafka.pool_topic, pool)
 
         def converged() -> bool:
-            return state_fingerprint(daemon.conductor.index) == state_fingerprint(oracle.index)
+            return state_fingerprint(daemon.conductor.snapshot_state()) == state_fingerprint(
+                oracle.snapshot_state()
+            )
 
         await wait_for(converged, 60, "the in-process index's state")
         assert events.consumer.paused() == events.consumer.assignment()
