@@ -61,7 +61,7 @@ from bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
 from bench.cluster import Record
-from bench.dynamo_indexer import RATE_CLIENTS, RATE_REQUESTS, Http, query_percentiles
+from bench.dynamo_indexer import RATE_CLIENTS, RATE_REQUESTS, Http
 from bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
 from bench.peers import KvconductorPeer
 from bench.restore import broker_pid
@@ -765,8 +765,7 @@ async def _prequeued_run(
             msgspec.json.encode({"model": model, "block_size": block_size, "token_ids": p})
             for p in prompts
         ]
-        client.latencies("/query", bodies[:20])  # warm-up
-        query = query_percentiles(client.latencies("/query", bodies))
+        query = client.one_client("/query", bodies)
         client.close()
         query["queries_per_s"] = await raw_http.rate(
             daemon.port, "/query", bodies, RATE_CLIENTS, RATE_REQUESTS
