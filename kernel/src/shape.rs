@@ -12,7 +12,6 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 struct Rank {
     slot: usize,
-    rank: i64,
     /// Its `DP` key, in `AnswerShape::keys`.
     key: u32,
 }
@@ -24,8 +23,9 @@ struct Instance {
     /// Its (rank, slot)s in rank order, as `set_instance` gave them.
     listed: Vec<(i64, usize)>,
     name: Py<PyString>,
-    /// The name as a JSON string, quotes included (msgspec's encoding).
-    name_json: Vec<u8>,
+    /// The row's head in the JSON answer: the name as a JSON string
+    /// (msgspec's encoding) and `:{"longest_matched":`.
+    head_json: Vec<u8>,
     /// Its ranks in `AnswerShape::ranks`: all instances' ranks in one
     /// array, read in order, where a vector per instance was a cache miss
     /// per instance after the walk (~12 us of 122 instances' answer).
@@ -38,9 +38,6 @@ type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<u8>, Vec<(i64, usize)>)>;
 
 /// Blocks matched by one owner: GPU, CPU, DISK.
 pub(crate) type Lengths = (u64, u64, u64);
-
-/// Owner slots whose answer table fits on the stack (8 KB).
-const STACK_SLOTS: usize = 256;
 
 /// `kvconductor/index/answer_shape.py`'s `SPARSE`.
 const SPARSE: usize = 8;
@@ -55,8 +52,10 @@ pub struct AnswerShape {
     block_size: u64,
     /// In name order.
     instances: Vec<Instance>,
-    /// `DP` keys, made once per rank number, not once per owner.
+    /// `DP` keys, made once per rank number, not once per owner; and
+    /// each as JSON, quoted, with its colon.
     keys: Vec<Py<PyString>>,
+    keys_json: Vec<Vec<u8>>,
     key_of: HashMap<i64, u32>,
     /// Whether an instance changed since `ranks` and `place` were laid out.
     stale: bool,
@@ -64,6 +63,10 @@ pub struct AnswerShape {
     slots: usize,
     /// Per slot, its instance's index in `instances` (or `NO_PLACE`).
     place: Vec<u32>,
+    /// The listed owners' lengths by slot, kept between answers with every
+    /// entry None: at thousands of owners a table made for each answer was
+    /// a fresh allocation and a pass to clear it, every query.
+    table: Vec<Option<Lengths>>,
 }
 
 /// The listed owners' lengths by slot: a table of every slot, or (for a
@@ -96,7 +99,7 @@ impl AnswerShape {
             let start = self.ranks.len();
             for &(rank, slot) in &inst.listed {
                 slots = slots.max(slot + 1);
-                self.ranks.push(Rank { slot, rank, key: self.key_of[&rank] });
+                self.ranks.push(Rank { slot, key: self.key_of[&rank] });
             }
             inst.ranks = start..self.ranks.len();
         }
@@ -111,18 +114,15 @@ impl AnswerShape {
     }
 
     /// `f` with the listed owners' lengths by slot and the instances to
-    /// visit (those of the listed owners, in name order). For up to
-    /// `STACK_SLOTS` owners the table is on the stack: a 4 KB heap table a
-    /// query cost ~5 us in malloc, which consolidates its fast bins before
-    /// every request of that size. For fewer owners than one in `SPARSE`
-    /// instances (a query's `instance_id`) only theirs are visited: with
-    /// thousands of owners a table and a pass over every instance were
-    /// most of such an answer.
+    /// visit (those of the listed owners, in name order; None: all). For
+    /// fewer owners than one in `SPARSE` instances (a query's
+    /// `instance_id`) only theirs are visited: with thousands of owners a
+    /// table and a pass over every instance were most of such an answer.
     fn with_by_slot<T>(
-        &self,
+        &mut self,
         lengths: &Bound<'_, PyList>,
         hits_only: bool,
-        f: impl FnOnce(&BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
+        f: impl FnOnce(&Self, &BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
     ) -> PyResult<T> {
         let mut listed = Vec::with_capacity(lengths.len());
         for item in lengths.iter() {
@@ -136,9 +136,9 @@ impl AnswerShape {
 
     /// `with_by_slot` for lengths already read.
     fn with_listed<T>(
-        &self,
+        &mut self,
         mut listed: Vec<(usize, Lengths)>,
-        f: impl FnOnce(&BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
+        f: impl FnOnce(&Self, &BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
     ) -> PyResult<T> {
         listed.retain(|l| l.0 < self.slots);
         if listed.len() * SPARSE < self.instances.len() {
@@ -154,43 +154,47 @@ impl AnswerShape {
             let mut places: Vec<u32> = listed.iter().map(|l| self.place[l.0]).filter(|&p| p != NO_PLACE).collect();
             places.sort_unstable();
             places.dedup();
-            return f(&BySlot::Sparse(&listed), Some(&places));
+            return f(self, &BySlot::Sparse(&listed), Some(&places));
         }
-        let mut stack = [None; STACK_SLOTS];
-        let mut heap = Vec::new();
-        let table = if self.slots <= STACK_SLOTS {
-            &mut stack[..self.slots]
-        } else {
-            heap.resize(self.slots, None);
-            &mut heap[..]
-        };
-        for (slot, m) in listed {
+        let mut table = std::mem::take(&mut self.table);
+        table.resize(self.slots, None);
+        for &(slot, m) in &listed {
             table[slot] = Some(m);
         }
-        f(&BySlot::Dense(table), None)
+        let out = f(self, &BySlot::Dense(&table), None);
+        for &(slot, _) in &listed {
+            table[slot] = None;
+        }
+        self.table = table;
+        out
     }
 
-    /// Each visited instance (`visit`: their indices; None: all) with a
-    /// listed rank, with its listed ranks' lengths and its best rank's:
-    /// largest DISK, then GPU, then CPU; ties keep the lower rank.
-    fn rows<'s>(
-        &'s self,
-        by_slot: &'s BySlot<'s>,
-        visit: Option<&'s [u32]>,
-    ) -> impl Iterator<Item = (&'s Instance, Lengths, impl Iterator<Item = (&'s Rank, Lengths)>)> {
-        let all = visit.is_none().then(|| self.instances.iter()).into_iter().flatten();
-        let some = visit.into_iter().flatten().map(|&p| &self.instances[p as usize]);
-        all.chain(some).filter_map(move |inst| {
-            let listed = move || self.ranks[inst.ranks.clone()].iter().filter_map(move |r| by_slot.get(r.slot).map(|m| (r, m)));
-            let best = listed().map(|(_, m)| m).reduce(|b, m| {
-                if (m.2, m.0, m.1) > (b.2, b.0, b.1) {
-                    m
-                } else {
-                    b
+    /// `f` on each visited instance (`visit`: their indices; None: all)
+    /// with a listed rank, in order, with its best rank's lengths (largest
+    /// DISK, then GPU, then CPU; ties keep the lower rank) and its ranks
+    /// (listed or not: `by_slot` says).
+    fn for_rows(
+        &self,
+        by_slot: &BySlot<'_>,
+        visit: Option<&[u32]>,
+        mut f: impl FnMut(&Instance, Lengths, &[Rank]) -> PyResult<()>,
+    ) -> PyResult<()> {
+        let mut row = |inst: &Instance| {
+            let ranks = &self.ranks[inst.ranks.clone()];
+            let mut best: Option<Lengths> = None;
+            for r in ranks {
+                if let Some(m) = by_slot.get(r.slot) {
+                    if best.is_none_or(|b| (m.2, m.0, m.1) > (b.2, b.0, b.1)) {
+                        best = Some(m);
+                    }
                 }
-            })?;
-            Some((inst, best, listed()))
-        })
+            }
+            best.map_or(Ok(()), |b| f(inst, b, ranks))
+        };
+        match visit {
+            None => self.instances.iter().try_for_each(&mut row),
+            Some(places) => places.iter().try_for_each(|&p| row(&self.instances[p as usize])),
+        }
     }
 }
 
@@ -204,11 +208,13 @@ impl AnswerShape {
             block_size,
             instances: Vec::new(),
             keys: Vec::new(),
+            keys_json: Vec::new(),
             key_of: HashMap::new(),
             stale: true,
             ranks: Vec::new(),
             slots: 0,
             place: Vec::new(),
+            table: Vec::new(),
         };
         for (name, name_json, ranks) in layout {
             shape.set_instance(name, name_json, ranks)?;
@@ -227,6 +233,7 @@ impl AnswerShape {
             if !self.key_of.contains_key(&rank) {
                 self.key_of.insert(rank, self.keys.len() as u32);
                 self.keys.push(PyString::new(py, &rank.to_string()).unbind());
+                self.keys_json.push(format!("\"{rank}\":").into_bytes());
             }
         }
         match self.instances.binary_search_by(|i| i.order.as_slice().cmp(&order)) {
@@ -236,7 +243,9 @@ impl AnswerShape {
             Ok(i) => self.instances[i].listed = ranks,
             Err(_) if ranks.is_empty() => {}
             Err(i) => {
-                let inst = Instance { order, listed: ranks, name: name.unbind(), name_json, ranks: 0..0 };
+                let mut head_json = name_json;
+                head_json.extend_from_slice(b":{\"longest_matched\":");
+                let inst = Instance { order, listed: ranks, name: name.unbind(), head_json, ranks: 0..0 };
                 self.instances.insert(i, inst);
             }
         }
@@ -251,8 +260,8 @@ impl AnswerShape {
         hits_only: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         self.lay_out();
-        self.with_by_slot(lengths, hits_only, |by_slot, visit| {
-            let bs = self.block_size;
+        self.with_by_slot(lengths, hits_only, |this, by_slot, visit| {
+            let bs = this.block_size;
             let keys = [
                 pyo3::intern!(py, "longest_matched"),
                 pyo3::intern!(py, "GPU"),
@@ -261,15 +270,17 @@ impl AnswerShape {
                 pyo3::intern!(py, "DP"),
             ];
             let out = PyDict::new(py);
-            for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
+            this.for_rows(by_slot, visit, |inst, (g, c, d), ranks| {
                 // One int object wherever the row repeats a number (DISK is
                 // longest_matched, and GPU or CPU often equal it): at a hundred
                 // instances the answer's allocations are most of its cost.
                 let disk = (d * bs).into_pyobject(py)?;
                 let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
                 let dp = PyDict::new(py);
-                for (rank, m) in ranks {
-                    dp.set_item(self.keys[rank.key as usize].bind(py), same(m.2)?)?;
+                for r in ranks {
+                    if let Some(m) = by_slot.get(r.slot) {
+                        dp.set_item(this.keys[r.key as usize].bind(py), same(m.2)?)?;
+                    }
                 }
                 let row = PyDict::new(py);
                 row.set_item(keys[0], &disk)?;
@@ -277,11 +288,11 @@ impl AnswerShape {
                 row.set_item(keys[2], same(c)?)?;
                 row.set_item(keys[3], &disk)?;
                 row.set_item(keys[4], dp)?;
-                out.set_item(inst.name.bind(py), row)?;
-            }
+                out.set_item(inst.name.bind(py), row)
+            })?;
             let answer = PyDict::new(py);
             if !out.is_empty() {
-                answer.set_item(self.tenant.bind(py), out)?;
+                answer.set_item(this.tenant.bind(py), out)?;
             }
             Ok(answer)
         })
@@ -292,7 +303,7 @@ impl AnswerShape {
     fn shape_json<'py>(&mut self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
         self.lay_out();
         let rows = lengths.len().min(self.instances.len());
-        self.with_by_slot(lengths, false, |by_slot, visit| self.write_json(py, rows, by_slot, visit))
+        self.with_by_slot(lengths, false, |this, by_slot, visit| this.write_json(py, rows, by_slot, visit))
     }
 }
 
@@ -303,7 +314,7 @@ impl AnswerShape {
     pub(crate) fn json_of<'py>(&mut self, py: Python<'py>, listed: Vec<(usize, Lengths)>) -> PyResult<Bound<'py, PyBytes>> {
         self.lay_out();
         let rows = listed.len().min(self.instances.len());
-        self.with_listed(listed, |by_slot, visit| self.write_json(py, rows, by_slot, visit))
+        self.with_listed(listed, |this, by_slot, visit| this.write_json(py, rows, by_slot, visit))
     }
 
     /// The JSON answer of `rows` rows at most (a capacity hint).
@@ -316,30 +327,36 @@ impl AnswerShape {
         out.push(b':');
         let head = out.len();
         let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
-        for (inst, (g, c, d), ranks) in self.rows(by_slot, visit) {
+        self.for_rows(by_slot, visit, |inst, (g, c, d), ranks| {
             out.push(if out.len() == head { b'{' } else { b',' });
-            out.extend_from_slice(&inst.name_json);
-            let d = disk.format(d * bs).as_bytes();
-            out.extend_from_slice(b":{\"longest_matched\":");
-            out.extend_from_slice(d);
+            out.extend_from_slice(&inst.head_json);
+            let disk = disk.format(d * bs).as_bytes();
+            // GPU and CPU mostly equal DISK: written from its digits.
+            let mut number = |out: &mut Vec<u8>, n: u64| {
+                out.extend_from_slice(if n == d { disk } else { num.format(n * bs).as_bytes() })
+            };
+            out.extend_from_slice(disk);
             out.extend_from_slice(b",\"GPU\":");
-            out.extend_from_slice(num.format(g * bs).as_bytes());
+            number(&mut out, g);
             out.extend_from_slice(b",\"CPU\":");
-            out.extend_from_slice(num.format(c * bs).as_bytes());
+            number(&mut out, c);
             out.extend_from_slice(b",\"DISK\":");
-            out.extend_from_slice(d);
+            out.extend_from_slice(disk);
             out.extend_from_slice(b",\"DP\":{");
-            for (i, (rank, m)) in ranks.enumerate() {
-                if i > 0 {
-                    out.push(b',');
+            let mut first = true;
+            for r in ranks {
+                if let Some(m) = by_slot.get(r.slot) {
+                    if !first {
+                        out.push(b',');
+                    }
+                    first = false;
+                    out.extend_from_slice(&self.keys_json[r.key as usize]);
+                    number(&mut out, m.2);
                 }
-                out.push(b'"');
-                out.extend_from_slice(num.format(rank.rank).as_bytes());
-                out.extend_from_slice(b"\":");
-                out.extend_from_slice(num.format(m.2 * bs).as_bytes());
             }
             out.extend_from_slice(b"}}");
-        }
+            Ok(())
+        })?;
         if out.len() == head {
             return Ok(PyBytes::new(py, b"{}"));
         }
