@@ -319,42 +319,30 @@ impl AnswerShape {
 
     /// The JSON answer of `rows` rows at most (a capacity hint).
     fn write_json<'py>(&self, py: Python<'py>, rows: usize, by_slot: &BySlot<'_>, visit: Option<&[u32]>) -> PyResult<Bound<'py, PyBytes>> {
-        let bs = self.block_size;
         // `{tenant:{` then the rows; with no row, the answer is `{}`.
         let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
         out.push(b'{');
         out.extend_from_slice(&self.tenant_json);
         out.push(b':');
         let head = out.len();
-        let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
-        self.for_rows(by_slot, visit, |inst, (g, c, d), ranks| {
+        // A row is its instance's head, then a tail of numbers that rows of
+        // one rank and the same lengths share: where thousands of instances
+        // hold a prompt's first blocks, most rows repeat the one before.
+        let mut tail: Vec<u8> = Vec::with_capacity(96);
+        let mut last: Option<(Lengths, u32)> = None;
+        self.for_rows(by_slot, visit, |inst, best, ranks| {
             out.push(if out.len() == head { b'{' } else { b',' });
             out.extend_from_slice(&inst.head_json);
-            let disk = disk.format(d * bs).as_bytes();
-            // GPU and CPU mostly equal DISK: written from its digits.
-            let mut number = |out: &mut Vec<u8>, n: u64| {
-                out.extend_from_slice(if n == d { disk } else { num.format(n * bs).as_bytes() })
+            let key = match ranks {
+                [r] => Some((best, r.key)),
+                _ => None,
             };
-            out.extend_from_slice(disk);
-            out.extend_from_slice(b",\"GPU\":");
-            number(&mut out, g);
-            out.extend_from_slice(b",\"CPU\":");
-            number(&mut out, c);
-            out.extend_from_slice(b",\"DISK\":");
-            out.extend_from_slice(disk);
-            out.extend_from_slice(b",\"DP\":{");
-            let mut first = true;
-            for r in ranks {
-                if let Some(m) = by_slot.get(r.slot) {
-                    if !first {
-                        out.push(b',');
-                    }
-                    first = false;
-                    out.extend_from_slice(&self.keys_json[r.key as usize]);
-                    number(&mut out, m.2);
-                }
+            if key.is_none() || key != last {
+                tail.clear();
+                self.write_tail(&mut tail, best, ranks, by_slot);
+                last = key;
             }
-            out.extend_from_slice(b"}}");
+            out.extend_from_slice(&tail);
             Ok(())
         })?;
         if out.len() == head {
@@ -362,5 +350,37 @@ impl AnswerShape {
         }
         out.extend_from_slice(b"}}");
         Ok(PyBytes::new(py, &out))
+    }
+
+    /// A row after its head: `longest_matched` and the tiers of the best
+    /// rank, then `DP` by listed rank, closed.
+    fn write_tail(&self, out: &mut Vec<u8>, (g, c, d): Lengths, ranks: &[Rank], by_slot: &BySlot<'_>) {
+        let bs = self.block_size;
+        let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let disk = disk.format(d * bs).as_bytes();
+        // GPU and CPU mostly equal DISK: written from its digits.
+        let mut number = |out: &mut Vec<u8>, n: u64| {
+            out.extend_from_slice(if n == d { disk } else { num.format(n * bs).as_bytes() })
+        };
+        out.extend_from_slice(disk);
+        out.extend_from_slice(b",\"GPU\":");
+        number(out, g);
+        out.extend_from_slice(b",\"CPU\":");
+        number(out, c);
+        out.extend_from_slice(b",\"DISK\":");
+        out.extend_from_slice(disk);
+        out.extend_from_slice(b",\"DP\":{");
+        let mut first = true;
+        for r in ranks {
+            if let Some(m) = by_slot.get(r.slot) {
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                out.extend_from_slice(&self.keys_json[r.key as usize]);
+                number(out, m.2);
+            }
+        }
+        out.extend_from_slice(b"}}");
     }
 }
