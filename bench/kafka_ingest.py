@@ -1,8 +1,8 @@
 """The real ingest path's speed on vLLM-shaped records: Kafka → daemon.
 
-    python -m bench.kafka_ingest --bootstrap HOST:PORT [--records 100000] [--mode daemon]
+    python -m bench.kafka_ingest --bootstrap HOST:PORT [--workload fleet] [--mode daemon]
 
-Pre-produces `--records` records to a fresh topic, then times the index
+Pre-produces the workload's records to fresh topics, then times the index
 from its first fetch to caught up, with the CPU it used:
 
 - `--mode daemon` (default): `kvconductor run` in a process of its own,
@@ -17,15 +17,30 @@ from its first fetch to caught up, with the CPU it used:
 - `--set fetch_path=native` (either mode): the daemon's own fetch path
   (consumers/fetcher.py) in place of aiokafka's fetcher.
 
-The records are the dense instances of the vLLM fixture (`hyb-d0`, `hyb-d1`
-of tests/fixtures/vllm-hybrid: vLLM's own KVCacheManager output, every
-removal one hash, 2-3 events a record), their payloads byte for byte,
-re-keyed over `--instances` ids so they spread over the partitions, each
-id replaying one of the two streams with its `kv-seq` consecutive, ids
-interleaved as a fleet produces. Prints one JSON object: records/s,
-events/s, CPU seconds, and the seconds the event loop's thread waited for
-a core (`runqueue_s`, from /proc: the machine was busy) and for anything
-else (`idle_s`: Kafka). The topics are deleted afterwards.
+Two workloads (`--workload`):
+
+- `fleet` (default): figure 7's records, as `bench.lane_profile gen` makes
+  them: a vLLM-shaped fleet (`bench.vllm_engine.fleet_workload`, churn
+  0.5) stepped until it holds `--entries` blocks (200,000: 24,054
+  records, 8.4 events a record), every record with its own timestamp.
+  The fairer figure, hence the default: the records are the shape the
+  daemon meets (long sessions, stores, evictions, re-stores of evicted
+  blocks, several instances' records interleaved), so they take the
+  core's paths in the proportions production's do. `--records` takes its first N (default: all).
+- `fixture`: the dense instances of the vLLM fixture (`hyb-d0`, `hyb-d1`
+  of tests/fixtures/vllm-hybrid: vLLM's own KVCacheManager output, every
+  removal one hash, 2-3 events a record), their payloads byte for byte,
+  `--instances` at a time, ids interleaved as a fleet produces, each
+  replaying one of the two streams with its `kv-seq` consecutive. A
+  stream played to its end is played again by a fresh instance id, so no
+  instance re-stores blocks it holds (which real engines never do: it
+  would send such records off the compiled lane, a bench artifact).
+  `--records` default 100,000.
+
+Prints one JSON object: records/s, events/s, CPU seconds, and the
+seconds the event loop's thread waited for a core (`runqueue_s`, from
+/proc: the machine was busy) and for anything else (`idle_s`: Kafka).
+The topics are deleted afterwards.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ import base64
 import cProfile
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -78,42 +94,89 @@ def templates(path: Path) -> list[list[Template]]:
     return [streams[name] for name in DENSE]
 
 
-def fleet(
+class Produced(NamedTuple):
+    """One record to pre-produce (`ts` None: the producer's clock)."""
+
+    pool: bool
+    key: bytes
+    headers: list[tuple[str, bytes]]
+    value: bytes
+    events: int
+    ts: float | None = None
+
+
+def fixture_records(
     streams: list[list[Template]], instances: int, records: int
-) -> Iterator[tuple[bytes, Template, int]]:
-    """(key, template, kv-seq) in produce order: one record per instance in
-    turn, instance i replaying stream i % 2 from its start, round after round."""
-    keys = [f"vllm-{i:04d}".encode() for i in range(instances)]
-    seq = 0
+) -> Iterator[Produced]:
+    """The fixture's records in produce order: one record per instance slot
+    in turn, slot i replaying stream i % 2 from its start, as a fresh
+    instance id each time the stream starts again."""
     made = 0
+    step = 0
     while True:
-        for i, key in enumerate(keys):
+        for i in range(instances):
             stream = streams[i % len(streams)]
-            yield key, stream[seq % len(stream)], seq
+            life, seq = divmod(step, len(stream))
+            key = f"vllm-{i:04d}-{life}".encode()
+            t = stream[seq]
+            yield Produced(False, key, [*t.headers, (KV_SEQ, str(seq).encode())], t.value, t.events)
             made += 1
             if made == records:
                 return
-        seq += 1
+        step += 1
 
 
-async def produce(bootstrap: str, topic: str, args: argparse.Namespace) -> int:
-    """Pre-produce the records; returns their events."""
-    streams = templates(Path(args.fixture))
+def fleet_records(args: argparse.Namespace) -> list[Produced]:
+    """Figure 7's records, the first `args.records`: `args.fleet`'s (a
+    `bench.lane_profile gen` output) or generated as it generates them."""
+    from bench.cluster import Record
+    from bench.lane_profile import fleet_records as generate
+
+    made: list[Record]
+    if args.fleet:
+        made = pickle.loads(Path(args.fleet).read_bytes())
+    else:
+        made = generate(args.entries, args.seed)
+    return [
+        Produced(r.pool, r.key, r.headers, r.payload, r.events, r.ts) for r in made[: args.records]
+    ]
+
+
+def workload(args: argparse.Namespace) -> list[Produced]:
+    """The records `args` ask for; `args.records` set to their count."""
+    if args.workload == "fleet":
+        out = fleet_records(args)
+    else:
+        streams = templates(Path(args.fixture))
+        out = list(fixture_records(streams, args.instances, args.records or 100_000))
+    args.records = len(out)
+    return out
+
+
+async def produce(bootstrap: str, tag: str, records: list[Produced], compression: str) -> int:
+    """Pre-produce the records, each to its topic; returns their events."""
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         linger_ms=20,
         max_batch_size=1024 * 1024,
         acks=1,
-        compression_type=None if args.compression == "none" else args.compression,
+        compression_type=None if compression == "none" else compression,
     )
     await producer.start()
     events = 0
     try:
         pending = []
-        for key, t, seq in fleet(streams, args.instances, args.records):
-            headers = [*t.headers, (KV_SEQ, str(seq).encode())]
-            pending.append(await producer.send(topic, t.value, key=key, headers=headers))
-            events += t.events
+        for r in records:
+            pending.append(
+                await producer.send(
+                    f"{tag}-pool" if r.pool else f"{tag}-events",
+                    r.value,
+                    key=r.key,
+                    headers=r.headers,
+                    timestamp_ms=None if r.ts is None else int(r.ts * 1000),
+                )
+            )
+            events += r.events
             if len(pending) >= 5000:
                 await asyncio.gather(*pending)
                 pending = []
@@ -172,8 +235,11 @@ class Usage(NamedTuple):
 
     @classmethod
     def of(cls, pid: int) -> Usage:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if pid == os.getpid():  # /proc's clock ticks are 10 ms: too coarse in-process
+            cpu = time.process_time()
+        else:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return cls(cpu, int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9)
 
 
@@ -312,7 +378,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     names = [f"{tag}-{t}" for t in ("events", "pool")]
     await make_topics(bootstrap, names, args.partitions)
     try:
-        events = await produce(bootstrap, f"{tag}-events", args)
+        events = await produce(bootstrap, tag, workload(args), args.compression)
         if args.mode == "daemon":
             timed = await asyncio.to_thread(run_daemon, bootstrap, tag, args)
         else:
@@ -322,9 +388,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     s = timed["seconds"]
     return {
         "mode": args.mode,
+        "workload": args.workload,
         "records": args.records,
         "events": events,
-        "instances": args.instances,
+        "instances": args.instances if args.workload == "fixture" else None,
         "partitions": args.partitions,
         "set": args.set,
         "kafka_only": args.kafka_only,
@@ -343,8 +410,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bootstrap", required=True, metavar="HOST:PORT")
-    p.add_argument("--records", type=int, default=100_000)
-    p.add_argument("--instances", type=int, default=64)
+    p.add_argument("--workload", choices=("fleet", "fixture"), default="fleet")
+    p.add_argument(
+        "--records", type=int, help="how many (fleet: its first N, default all; fixture: 100,000)"
+    )
+    p.add_argument("--entries", type=int, default=200_000, help="fleet: blocks it holds")
+    p.add_argument("--seed", type=int, default=7, help="fleet: its seed")
+    p.add_argument(
+        "--fleet", metavar="FILE", help="fleet: `bench.lane_profile gen`'s records, not generated"
+    )
+    p.add_argument("--instances", type=int, default=64, help="fixture: instances at a time")
     p.add_argument("--partitions", type=int, default=6)
     p.add_argument("--mode", choices=("daemon", "consumer"), default="daemon")
     p.add_argument(
