@@ -418,6 +418,137 @@ pub fn merge_by_timestamp(parts: &[&[i64]], limit: usize) -> Vec<(u32, u32)> {
     out
 }
 
+// ----------------------------------------------------------- Fetch responses
+
+/// One partition's answer in a Fetch response: its records are
+/// `records` of the response's bytes (empty when the broker sent none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionAnswer<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+    pub error_code: i16,
+    pub high_watermark: i64,
+    /// v4+.
+    pub last_stable_offset: Option<i64>,
+    /// v4+: (producer id, first offset); None when the broker sent null.
+    pub aborted: Option<Vec<(i64, i64)>>,
+    pub records: std::ops::Range<usize>,
+}
+
+/// A Fetch response's body (after the response header), versions 0 to 11
+/// (the non-flexible ones, all aiokafka's `FetchRequest` sends): the
+/// response's own error code (v7+, fetch sessions; 0 before) and each
+/// partition's answer, the records left in place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchAnswer<'a> {
+    pub error_code: i16,
+    pub partitions: Vec<PartitionAnswer<'a>>,
+}
+
+/// A cursor over a response's fixed-width fields (big-endian).
+struct Fields<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Fields<'a> {
+    fn take(&mut self, n: usize) -> Result<std::ops::Range<usize>, &'static str> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or("fetch response cut short")?;
+        let out = self.at..end;
+        self.at = end;
+        Ok(out)
+    }
+
+    fn i16(&mut self) -> Result<i16, &'static str> {
+        let r = self.take(2)?;
+        Ok(be_i16(self.b, r.start))
+    }
+
+    fn i32(&mut self) -> Result<i32, &'static str> {
+        let r = self.take(4)?;
+        Ok(be_i32(self.b, r.start))
+    }
+
+    fn i64(&mut self) -> Result<i64, &'static str> {
+        let r = self.take(8)?;
+        Ok(be_i64(self.b, r.start))
+    }
+
+    /// An array's length; None for a null array. A length the bytes left
+    /// cannot hold (at `min_item` bytes an item) is an error, so a
+    /// corrupt length never reserves memory.
+    fn array_len(&mut self, min_item: usize) -> Result<Option<usize>, &'static str> {
+        match self.i32()? {
+            -1 => Ok(None),
+            n => {
+                let n = usize::try_from(n).map_err(|_| "negative array length in fetch response")?;
+                if n.saturating_mul(min_item) > self.b.len() - self.at {
+                    return Err("fetch response cut short");
+                }
+                Ok(Some(n))
+            }
+        }
+    }
+}
+
+/// Reads a Fetch response body of `version` (0..=11).
+pub fn parse_fetch_response(b: &[u8], version: i16) -> Result<FetchAnswer<'_>, &'static str> {
+    if !(0..=11).contains(&version) {
+        return Err("fetch response version not read here");
+    }
+    let mut f = Fields { b, at: 0 };
+    if version >= 1 {
+        f.i32()?; // throttle time
+    }
+    let mut error_code = 0;
+    if version >= 7 {
+        error_code = f.i16()?;
+        f.i32()?; // session id
+    }
+    let mut partitions = Vec::new();
+    for _ in 0..f.array_len(6)?.unwrap_or(0) {
+        let len = usize::try_from(f.i16()?).map_err(|_| "null topic name in fetch response")?;
+        let name = f.take(len)?;
+        let topic = std::str::from_utf8(&b[name]).map_err(|_| "topic name in fetch response not UTF-8")?;
+        for _ in 0..f.array_len(18)?.unwrap_or(0) {
+            let partition = f.i32()?;
+            let error_code = f.i16()?;
+            let high_watermark = f.i64()?;
+            let (mut last_stable_offset, mut aborted) = (None, None);
+            if version >= 4 {
+                last_stable_offset = Some(f.i64()?);
+                if version >= 5 {
+                    f.i64()?; // log start offset
+                }
+                if let Some(n) = f.array_len(16)? {
+                    let mut txns = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        txns.push((f.i64()?, f.i64()?));
+                    }
+                    aborted = Some(txns);
+                }
+                if version >= 11 {
+                    f.i32()?; // preferred read replica
+                }
+            }
+            let records = match f.i32()? {
+                -1 => f.at..f.at,
+                n => f.take(usize::try_from(n).map_err(|_| "negative records size in fetch response")?)?,
+            };
+            partitions.push(PartitionAnswer {
+                topic,
+                partition,
+                error_code,
+                high_watermark,
+                last_stable_offset,
+                aborted,
+                records,
+            });
+        }
+    }
+    Ok(FetchAnswer { error_code, partitions })
+}
+
 // ------------------------------------------------------------------ CRC-32C
 
 const CASTAGNOLI: u32 = 0x82f6_3b78; // reflected
@@ -474,6 +605,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 
 mod py {
     use super::*;
+    use pyo3::buffer::PyBuffer;
     use pyo3::exceptions::{PyTypeError, PyValueError};
     use pyo3::ffi;
     use pyo3::prelude::*;
@@ -751,16 +883,19 @@ mod py {
         /// One partition's `records` bytes from `fetch_offset` on (see
         /// `read_partition`). `pool`: every record's `Incoming.pool`; None:
         /// repartitioned records, whose kind and key are in their headers.
+        /// `data` is any contiguous buffer (bytes, or a memoryview of a
+        /// fetch response's buffer), unchanged while it is read.
         #[pyo3(signature = (data, fetch_offset, pool, aborted = None, read_committed = true))]
         fn read(
             &mut self,
             py: Python<'_>,
-            data: &[u8],
+            data: PyBuffer<u8>,
             fetch_offset: i64,
             pool: Option<bool>,
             aborted: Option<Vec<(i64, i64)>>,
             read_committed: bool,
         ) -> PyResult<Fetched> {
+            let data = contiguous(&data)?;
             let inflate = self.inflate.clone_ref(py).into_bound(py);
             let mut calls = Calls { py, inflate: &inflate };
             let list = PyList::empty(py);
@@ -823,6 +958,54 @@ mod py {
         }
     }
 
+    fn contiguous(data: &PyBuffer<u8>) -> PyResult<&[u8]> {
+        crate::buffer_bytes(data).ok_or_else(|| PyValueError::new_err("a contiguous buffer of bytes"))
+    }
+
+    /// One partition's answer in a Fetch response: (topic, partition,
+    /// error code, high watermark, last stable offset or None, aborted
+    /// transactions or None, where its records start and end in `data`).
+    type Answer = (Py<PyString>, i32, i16, i64, Option<i64>, Option<Vec<(i64, i64)>>, usize, usize);
+
+    /// The Fetch response of `version` in `data` from `offset` on (its
+    /// body, after the response header; see `parse_fetch_response`): its
+    /// own error code and its partitions' answers, their records left in
+    /// `data` (read them with `RecordReader.read` on a slice of it).
+    #[pyfunction]
+    pub fn fetch_response(
+        py: Python<'_>,
+        data: PyBuffer<u8>,
+        offset: usize,
+        version: i16,
+    ) -> PyResult<(i16, Vec<Answer>)> {
+        let bytes = contiguous(&data)?;
+        let body = bytes.get(offset..).ok_or_else(|| PyValueError::new_err("offset past the response"))?;
+        let answer = parse_fetch_response(body, version).map_err(PyValueError::new_err)?;
+        let mut names: Vec<(&str, Py<PyString>)> = Vec::new();
+        let mut out = Vec::with_capacity(answer.partitions.len());
+        for p in answer.partitions {
+            let name = match names.iter().find(|(n, _)| *n == p.topic) {
+                Some((_, t)) => t.clone_ref(py),
+                None => {
+                    let t = PyString::new(py, p.topic).unbind();
+                    names.push((p.topic, t.clone_ref(py)));
+                    t
+                }
+            };
+            out.push((
+                name,
+                p.partition,
+                p.error_code,
+                p.high_watermark,
+                p.last_stable_offset,
+                p.aborted,
+                offset + p.records.start,
+                offset + p.records.end,
+            ));
+        }
+        Ok((answer.error_code, out))
+    }
+
     /// `crc32c(data)`, for the tests.
     #[pyfunction]
     pub fn crc32c(data: &[u8]) -> u32 {
@@ -837,6 +1020,7 @@ pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()
     m.add_class::<py::Fetched>()?;
     m.add_class::<py::Merged>()?;
     m.add_function(wrap_pyfunction!(py::merge_fetched, m)?)?;
+    m.add_function(wrap_pyfunction!(py::fetch_response, m)?)?;
     m.add_function(wrap_pyfunction!(py::crc32c, m)?)?;
     Ok(())
 }
