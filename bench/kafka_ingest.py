@@ -12,6 +12,9 @@ from its first fetch to caught up, with the CPU it used:
 - `--mode consumer`: the daemon's `EventConsumer`, driven in this process
   with the daemon's consumer options, on uvloop as the daemon.
 - `--profile FILE` (consumer mode): cProfile of the catch-up, in FILE.
+- `--rounds N` (consumer mode): catch up N times (a fresh group each) on
+  the same records, printing the median round's figures and every
+  round's CPU a record: on a shared machine one round is noise.
 - `--kafka-only` (consumer mode): the core takes the records and applies
   none of them: what the Kafka side and the consume loop cost alone.
 - `--set fetch_path=native` (either mode): the daemon's own fetch path
@@ -130,12 +133,13 @@ def fleet_records(args: argparse.Namespace) -> list[Produced]:
     """Figure 7's records, the first `args.records`: `args.fleet`'s (a
     `bench.lane_profile gen` output) or generated as it generates them."""
     from bench.cluster import Record
-    from bench.lane_profile import fleet_records as generate
 
     made: list[Record]
     if args.fleet:
         made = pickle.loads(Path(args.fleet).read_bytes())
     else:
+        from bench.lane_profile import fleet_records as generate
+
         made = generate(args.entries, args.seed)
     return [
         Produced(r.pool, r.key, r.headers, r.payload, r.events, r.ts) for r in made[: args.records]
@@ -306,7 +310,9 @@ class _Untouched:
         return []
 
 
-async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> dict[str, float]:
+async def run_consumer(
+    bootstrap: str, tag: str, group: str, args: argparse.Namespace, profile_to: str | None
+) -> dict[str, float]:
     from consumers.dead_letters import DeadLetterWriter
     from consumers.event_consumer import EventConsumer
     from consumers.fetcher import native_fetcher
@@ -319,7 +325,7 @@ async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> di
     metrics = Metrics(Conductor())
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
-        group_id=tag,
+        group_id=group,
         enable_auto_commit=False,
         auto_offset_reset="none",
         isolation_level="read_committed",
@@ -343,7 +349,7 @@ async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> di
         await fetcher.start()
 
     # CPU time, not wall: on a shared machine waits for a core would count.
-    profile = cProfile.Profile(time.process_time) if args.profile else None
+    profile = cProfile.Profile(time.process_time) if profile_to else None
     started: list[tuple[float, Usage]] = []
 
     async def assign(tps: set[TopicPartition]) -> dict[TopicPartition, int]:
@@ -360,9 +366,9 @@ async def run_consumer(bootstrap: str, tag: str, args: argparse.Namespace) -> di
         # A fresh topic, one producer without transactions: offsets 0..n-1.
         while sum(events.applied_offsets.values()) < args.records:
             await events.poll(100)
-        if profile is not None:
+        if profile is not None and profile_to is not None:
             profile.disable()
-            profile.dump_stats(args.profile)
+            profile.dump_stats(profile_to)
         start, used = started[0]
         return _timed(time.monotonic() - start, used, Usage.of(os.getpid()))
     finally:
@@ -380,11 +386,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         events = await produce(bootstrap, tag, workload(args), args.compression)
         if args.mode == "daemon":
-            timed = await asyncio.to_thread(run_daemon, bootstrap, tag, args)
+            rounds = [await asyncio.to_thread(run_daemon, bootstrap, tag, args)]
         else:
-            timed = await run_consumer(bootstrap, tag, args)
+            rounds = []
+            for i in range(args.rounds):  # a fresh group each: from the start again
+                profile = args.profile if i == 0 else None
+                rounds.append(await run_consumer(bootstrap, tag, f"{tag}-{i}", args, profile))
     finally:
         await delete_topics(bootstrap, tag)
+    timed = sorted(rounds, key=lambda r: r["cpu_s"])[len(rounds) // 2]
     s = timed["seconds"]
     return {
         "mode": args.mode,
@@ -404,6 +414,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "records_per_s": round(args.records / s),
         "events_per_s": round(events / s),
         "cpu_us_per_record": round(timed["cpu_s"] / args.records * 1e6, 2),
+        "rounds_cpu_us_per_record": [round(r["cpu_s"] / args.records * 1e6, 2) for r in rounds],
     }
 
 
@@ -430,6 +441,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-snapshots", action="store_true", help="daemon mode: snapshots off")
     p.add_argument("--kafka-only", action="store_true", help="consumer mode: apply nothing")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="consumer mode: catch up N times on the same records; the median round's figures",
+    )
     p.add_argument("--profile", metavar="FILE", help="consumer mode: cProfile stats to FILE")
     p.add_argument(
         "--set",
