@@ -1373,6 +1373,112 @@ mod tests {
         }
     }
 
+    /// A Fetch response body of `version`: one topic, its partitions
+    /// (partition, error, aborted, records; None: null).
+    fn response(version: i16, topic: &str, parts: &[(i32, i16, Option<&[(i64, i64)]>, Option<&[u8]>)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        if version >= 1 {
+            out.extend_from_slice(&7i32.to_be_bytes()); // throttle
+        }
+        if version >= 7 {
+            out.extend_from_slice(&0i16.to_be_bytes());
+            out.extend_from_slice(&99i32.to_be_bytes()); // session
+        }
+        out.extend_from_slice(&1i32.to_be_bytes());
+        out.extend_from_slice(&(topic.len() as i16).to_be_bytes());
+        out.extend_from_slice(topic.as_bytes());
+        out.extend_from_slice(&(parts.len() as i32).to_be_bytes());
+        for &(partition, error, aborted, records) in parts {
+            out.extend_from_slice(&partition.to_be_bytes());
+            out.extend_from_slice(&error.to_be_bytes());
+            out.extend_from_slice(&100i64.to_be_bytes()); // high watermark
+            if version >= 4 {
+                out.extend_from_slice(&90i64.to_be_bytes()); // last stable
+                if version >= 5 {
+                    out.extend_from_slice(&3i64.to_be_bytes()); // log start
+                }
+                match aborted {
+                    None => out.extend_from_slice(&(-1i32).to_be_bytes()),
+                    Some(txns) => {
+                        out.extend_from_slice(&(txns.len() as i32).to_be_bytes());
+                        for &(pid, first) in txns {
+                            out.extend_from_slice(&pid.to_be_bytes());
+                            out.extend_from_slice(&first.to_be_bytes());
+                        }
+                    }
+                }
+                if version >= 11 {
+                    out.extend_from_slice(&(-1i32).to_be_bytes()); // preferred replica
+                }
+            }
+            match records {
+                None => out.extend_from_slice(&(-1i32).to_be_bytes()),
+                Some(r) => {
+                    out.extend_from_slice(&(r.len() as i32).to_be_bytes());
+                    out.extend_from_slice(r);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn fetch_responses_of_every_version_leave_the_records_in_place() {
+        let data = batch(&plain(0), &[rec(0, b"a", b"1"), rec(1, b"b", b"2")]);
+        let txns: &[(i64, i64)] = &[(7, 0), (8, 5)];
+        for version in 0..=11 {
+            let body = response(version, "events", &[(0, 0, Some(txns), Some(&data)), (2, 6, None, None)]);
+            let answer = parse_fetch_response(&body, version).unwrap();
+            assert_eq!(answer.error_code, 0);
+            let [p0, p2] = &answer.partitions[..] else { panic!("two partitions") };
+            assert_eq!((p0.topic, p0.partition, p0.error_code, p0.high_watermark), ("events", 0, 0, 100));
+            assert_eq!(&body[p0.records.clone()], &data[..]);
+            let (rows, _) = read_all(&body[p0.records.clone()], 0, &[], true, &mut NoInflate);
+            assert_eq!(offsets(&rows), [0, 1]);
+            assert_eq!((p2.partition, p2.error_code), (2, 6));
+            assert!(p2.records.is_empty());
+            if version >= 4 {
+                assert_eq!(p0.last_stable_offset, Some(90));
+                assert_eq!(p0.aborted.as_deref(), Some(txns));
+                assert_eq!(p2.aborted, None);
+            } else {
+                assert_eq!((p0.last_stable_offset, &p0.aborted), (None, &None));
+            }
+        }
+    }
+
+    #[test]
+    fn bad_fetch_responses_are_errors_never_panics() {
+        let data = batch(&plain(0), &[rec(0, b"a", b"1")]);
+        let body = response(11, "events", &[(0, 0, Some(&[(1, 2)]), Some(&data))]);
+        for cut in 0..body.len() {
+            assert!(parse_fetch_response(&body[..cut], 11).is_err(), "cut at {cut}");
+        }
+        assert!(parse_fetch_response(&body, 12).is_err());
+        assert!(parse_fetch_response(&body, -1).is_err());
+        let mut bad_name = body.clone();
+        bad_name[16] = 0xff; // the topic name's first byte (after throttle, error, session, count, length)
+        assert!(parse_fetch_response(&bad_name, 11).is_err());
+        // A claimed count far past the bytes left reserves nothing.
+        let mut huge = body.clone();
+        huge[10..14].copy_from_slice(&i32::MAX.to_be_bytes());
+        assert!(parse_fetch_response(&huge, 11).is_err());
+        let mut state = 0x9e37_79b9_u64;
+        for _ in 0..5000 {
+            let mut b = body.clone();
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let at = (state as usize) % b.len();
+            b[at] = (state >> 40) as u8;
+            if let Ok(answer) = parse_fetch_response(&b, 11) {
+                for p in answer.partitions {
+                    assert!(p.records.end <= b.len());
+                }
+            }
+        }
+    }
+
     #[test]
     fn merge_is_heapq_merge_by_timestamp() {
         let a: &[i64] = &[1, 5, 5, 9];
