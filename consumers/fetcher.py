@@ -429,7 +429,8 @@ class NativeFetcher:
     ) -> None:
         try:
             conn = await self._connect(node)
-            version, frame = await conn.request(self._request(wanted))
+            # Read at once, its records copied out: its buffer can be the next's.
+            version, frame = await conn.request(self._request(wanted), reuse=True)
             # The body, after the correlation id (a v0 response header).
             failed, answers = self._answer(frame, 4, version)
         except (KafkaError, ValueError) as exc:
@@ -448,7 +449,6 @@ class NativeFetcher:
         asked = dict(wanted)
         now_ms = int(time.time() * 1000)
         committed = self._isolation == 1
-        data = memoryview(frame)
         retry = False
         for topic, partition, error_code, highwater, lso, aborted, start, end in answers:
             tp = TopicPartition(topic, partition)
@@ -460,7 +460,7 @@ class NativeFetcher:
                 st.highwater = highwater
                 st.answered_ms = now_ms
                 st.lso = lso
-                self._read(tp, st, data[start:end], self.modes.get(topic), aborted, committed)
+                self._read(tp, st, frame[start:end], self.modes.get(topic), aborted, committed)
             elif issubclass(error, _METADATA_ERRORS):
                 self.client.force_metadata_update()
                 retry = True

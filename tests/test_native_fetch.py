@@ -320,7 +320,10 @@ class _Owner:
         self.frames: list[bytes] = []
         self.closed: list[Exception | None] = []
 
-    def _on_frame(self, frame: bytearray) -> None:
+    def _buffer_for(self, size: int) -> memoryview:
+        return memoryview(bytearray(size))
+
+    def _on_frame(self, frame: memoryview) -> None:
         self.frames.append(bytes(frame))
 
     def close(self, why: Exception | None = None) -> None:
@@ -457,6 +460,16 @@ async def test_a_frame_connection_answers_in_order(kafka_bootstrap: str) -> None
             failed, parts = _kernel.fetch_response(frame, 4, version)
             assert failed == 0
             assert [(p[0], p[1], p[2]) for p in parts] == [(topic, 0, 3)]  # unknown partition
+        # One after the other, `reuse`: each answer read into the last one's buffer.
+        kept = []
+        for topic in topics:
+            version, frame = await conn.request(
+                FetchRequest(10, 1, 1024, 1, [(topic, [(0, 0, 1024)])]), reuse=True
+            )
+            assert _kernel.fetch_response(frame, 4, version)[1][0][0] == topic
+            kept.append(frame.obj)
+        assert kept[0] is kept[1] is kept[2]
+        assert all(a[1].obj is not kept[0] for a in answers)
         # Past a partition's end: the broker holds the fetch for its max wait.
         quiet = await _topic(kafka_bootstrap)
         await produce(kafka_bootstrap, quiet, [("k", b"v", [])])

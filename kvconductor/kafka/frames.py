@@ -28,14 +28,21 @@ from aiokafka.conn import create_conn
 
 _SIZE = struct.Struct(">i")
 
+# The largest answer whose buffer a connection keeps for the next (see
+# `FrameConnection.request`): a fresh buffer's every page is faulted in
+# as the socket fills it, on a VM as costly as reading its records. A
+# catch-up's answers are a few MiB each; past this they are not kept.
+KEEP_BYTES = 16 * 1024 * 1024
+
 
 class _Frames(asyncio.BufferedProtocol):
-    """Size-prefixed frames, each read into a buffer of its own size."""
+    """Size-prefixed frames, each read straight into the buffer its owner
+    gives for its size."""
 
     def __init__(self, owner: FrameConnection) -> None:
         self._owner = owner
         self._head = bytearray(4)
-        self._frame: bytearray | None = None  # None: reading a size
+        self._frame: memoryview | None = None  # None: reading a size
         self._view = memoryview(self._head)
         self._filled = 0
 
@@ -51,8 +58,7 @@ class _Frames(asyncio.BufferedProtocol):
             if size < 0:
                 self._owner.close(kafka_errors.KafkaConnectionError("negative response size"))
                 return
-            self._frame = bytearray(size)
-            self._view = memoryview(self._frame)
+            self._frame = self._view = self._owner._buffer_for(size)
             self._filled = 0
             if size:
                 return
@@ -87,10 +93,13 @@ class FrameConnection:
         self._client_id = client_id
         self._timeout_s = timeout_s
         self._where = where
-        self._pending: collections.deque[tuple[int, asyncio.Future[bytearray]]] = (
+        # Per request outstanding: its correlation id, its answer to be, and
+        # whether that may be read into the kept buffer.
+        self._pending: collections.deque[tuple[int, asyncio.Future[memoryview], bool]] = (
             collections.deque()
         )
         self._correlation = 0
+        self._store = bytearray()  # the kept answer buffer (`request`'s `reuse`)
         self._closed: kafka_errors.KafkaError | None = None
         transport.set_protocol(_Frames(self))
 
@@ -124,9 +133,13 @@ class FrameConnection:
     def connected(self) -> bool:
         return self._closed is None
 
-    async def request(self, request: Any) -> tuple[int, bytearray]:
+    async def request(self, request: Any, *, reuse: bool = False) -> tuple[int, memoryview]:
         """Sends aiokafka's `request` (a `Request`, e.g. `FetchRequest`) at
-        the highest version both sides speak; its answer's frame."""
+        the highest version both sides speak; its answer's frame.
+
+        `reuse`: the caller is done with the answer of its last `reuse`
+        request, whose buffer this answer may then be read into (one such
+        answer outstanding at a time; others get buffers of their own)."""
         if self._closed is not None:
             raise self._closed
         struct_ = request.prepare(self._versions)
@@ -135,8 +148,9 @@ class FrameConnection:
             correlation_id=self._correlation, client_id=self._client_id
         )
         message = header.encode() + struct_.encode()
-        future: asyncio.Future[bytearray] = asyncio.get_running_loop().create_future()
-        self._pending.append((self._correlation, future))
+        future: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
+        reuse = reuse and not any(r for _, _, r in self._pending)
+        self._pending.append((self._correlation, future, reuse))
         self._transport.write(_SIZE.pack(len(message)) + message)
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -153,11 +167,19 @@ class FrameConnection:
             self._transport.close()
         self._fail_pending()
 
-    def _on_frame(self, frame: bytearray) -> None:
+    def _buffer_for(self, size: int) -> memoryview:
+        """Where the next answer, of `size` bytes, is read."""
+        if size <= KEEP_BYTES and self._pending and self._pending[0][2]:
+            if len(self._store) < size:
+                self._store = bytearray(size)
+            return memoryview(self._store)[:size]
+        return memoryview(bytearray(size))
+
+    def _on_frame(self, frame: memoryview) -> None:
         if not self._pending:
             self.close(kafka_errors.CorrelationIdError(f"{self._where}: an answer unasked for"))
             return
-        correlation, future = self._pending.popleft()
+        correlation, future, _ = self._pending.popleft()
         if len(frame) < 4 or _SIZE.unpack_from(frame)[0] != correlation:
             self.close(kafka_errors.CorrelationIdError(f"{self._where}: answers out of order"))
             if not future.done():
@@ -175,7 +197,7 @@ class FrameConnection:
 
     def _fail_pending(self) -> None:
         pending, self._pending = self._pending, collections.deque()
-        for _, future in pending:
+        for _, future, _ in pending:
             if not future.done():
                 assert self._closed is not None
                 future.set_exception(self._closed)
