@@ -141,8 +141,12 @@ def fleet_records(args: argparse.Namespace) -> list[Produced]:
         from bench.lane_profile import fleet_records as generate
 
         made = generate(args.entries, args.seed)
+    # Their clock moved to now, spacing kept: the broker's retention (by
+    # record time) would delete records stamped years ago while they are read.
+    shift = time.time() - made[0].ts if made else 0.0
     return [
-        Produced(r.pool, r.key, r.headers, r.payload, r.events, r.ts) for r in made[: args.records]
+        Produced(r.pool, r.key, r.headers, r.payload, r.events, r.ts + shift)
+        for r in made[: args.records]
     ]
 
 
@@ -351,6 +355,7 @@ async def run_consumer(
     # CPU time, not wall: on a shared machine waits for a core would count.
     profile = cProfile.Profile(time.process_time) if profile_to else None
     started: list[tuple[float, Usage]] = []
+    lost: list[int] = []
 
     async def assign(tps: set[TopicPartition]) -> dict[TopicPartition, int]:
         # The clock starts before the first fetch of the assignment.
@@ -358,7 +363,10 @@ async def run_consumer(
         if profile is not None:
             profile.enable()
         await consumer.seek_to_beginning(*tps)
-        return {tp: await consumer.position(tp) for tp in tps}
+        positions = {tp: await consumer.position(tp) for tp in tps}
+        if any(positions.values()):  # fresh topics: nothing should be gone
+            lost.append(sum(positions.values()))
+        return positions
 
     events.on_assign = assign
     events.subscribe()
@@ -369,6 +377,8 @@ async def run_consumer(
         if profile is not None and profile_to is not None:
             profile.disable()
             profile.dump_stats(profile_to)
+        if lost:
+            raise RuntimeError(f"{lost[0]} records were deleted (retention) before they were read")
         start, used = started[0]
         return _timed(time.monotonic() - start, used, Usage.of(os.getpid()))
     finally:
