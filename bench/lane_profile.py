@@ -31,10 +31,16 @@ from kvconductor.index.conductor import Conductor
 from kvconductor.wire.records import Incoming
 
 
-def generate(entries: int, seed: int, out: Path) -> None:
+def fleet_records(entries: int, seed: int) -> list[Record]:
+    """The records of a fleet stepped to `entries` cached blocks, churn 0.5."""
     w = fleet_workload(FleetConfig.for_entries(entries, seed=seed), entries, churn=0.5, queries=0)
-    out.write_bytes(pickle.dumps(list(w.streams.records)))
-    print(f"{len(w.streams.records):,} records, {w.stats['entries']:,} entries -> {out}")
+    return list(w.streams.records)
+
+
+def generate(entries: int, seed: int, out: Path) -> None:
+    records = fleet_records(entries, seed)
+    out.write_bytes(pickle.dumps(records))
+    print(f"{len(records):,} records -> {out}")
 
 
 def batches(records: list[Record]) -> list[list[Incoming]]:

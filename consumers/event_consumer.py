@@ -238,6 +238,10 @@ class EventConsumer:
         async with self.lock:
             self.epoch += 1
             self.caught_up = False
+            if self.fetcher is not None and assigned:
+                # At once: given a position during the hook's awaits,
+                # aiokafka's fetcher would fetch (and decode, and drop) it.
+                self.consumer.pause(*assigned)
             if self.on_assign is not None and assigned:
                 # The seek targets, not position(): a getmany running in the
                 # other task may already have handed out records past them.

@@ -1,9 +1,13 @@
 """The native fetch path (`[kafka] fetch_path = "native"`).
 
 The daemon sends its Fetch requests itself, to each partition's leader,
-through an `AIOKafkaClient` of its own, and the compiled kernel
-(kernel/src/record_batch.rs) reads each partition's record batches
-straight into the `Incoming`s the core takes: no Python per record.
+over a connection of its own to each (`kvconductor.kafka.frames`: every
+answer read from the socket straight into one buffer, opened and
+authenticated by aiokafka), and the compiled kernel
+(kernel/src/record_batch.rs) reads each answer's partitions and their
+record batches in place, straight into the `Incoming`s the core takes:
+no Python per record, no copy of the fetched bytes. An `AIOKafkaClient`
+of its own keeps the cluster's metadata (who leads what).
 aiokafka's fetcher spends Python objects on every record for the same
 work (its per-record generator, `ConsumerRecord`s, header tuples): the
 cost per record that bounded ingest (docs/benchmarks.md).
@@ -37,6 +41,7 @@ from aiokafka import errors as kafka_errors
 from aiokafka.client import AIOKafkaClient
 from aiokafka.codec import gzip_decode, lz4_decode, snappy_decode, zstd_decode
 from aiokafka.errors import (
+    KafkaConnectionError,
     KafkaError,
     NoOffsetForPartitionError,
     OffsetOutOfRangeError,
@@ -44,8 +49,14 @@ from aiokafka.errors import (
 )
 from aiokafka.protocol.fetch import FetchRequest
 
-from kvconductor.config import KafkaConfig, kafka_fetch_options, kafka_service_options
+from kvconductor.config import (
+    KafkaConfig,
+    kafka_client_options,
+    kafka_fetch_options,
+    kafka_service_options,
+)
 from kvconductor.index.conductor import Incoming
+from kvconductor.kafka.frames import FrameConnection
 from kvconductor.kernel import KERNEL
 from kvconductor.obs.logs import RateLimitedLog
 from kvconductor.wire.records import KV_KIND, KV_ORIGIN_KEY
@@ -174,6 +185,7 @@ class NativeFetcher:
         max_partition_fetch_bytes: int = 1024 * 1024,
         retry_backoff_ms: int = 100,
         check_crc: bool = True,
+        connection: Mapping[str, Any] | None = None,
     ) -> None:
         if isolation_level not in ISOLATION:
             raise ValueError(f"isolation_level must be one of {sorted(ISOLATION)}")
@@ -185,6 +197,10 @@ class NativeFetcher:
         self.reader = record_reader(check_crc)
         _require_kernel()
         self._merge = _kernel.merge_fetched
+        self._answer = _kernel.fetch_response
+        # `FrameConnection.open`'s options: client id, security.
+        self._connection = {"client_id": "kvconductor-fetch", **(connection or {})}
+        self._conns: dict[int, FrameConnection] = {}
         self._isolation = ISOLATION[isolation_level]
         self._reset = auto_offset_reset
         self._max_wait_ms = fetch_max_wait_ms
@@ -210,6 +226,9 @@ class NativeFetcher:
             task.cancel()
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)
         self._inflight.clear()
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
         await self.client.close()
 
     # ------------------------------------------------------------ positions
@@ -391,53 +410,72 @@ class NativeFetcher:
             list(by_topic.items()),
         )
 
+    async def _connect(self, node: int) -> FrameConnection:
+        conn = self._conns.get(node)
+        if conn is not None and conn.connected:
+            return conn
+        broker = self.client.cluster.broker_metadata(node)
+        if broker is None:
+            raise KafkaConnectionError(f"broker {node} not in the metadata")
+        try:
+            conn = await FrameConnection.open(broker.host, broker.port, **self._connection)
+        except (OSError, TimeoutError) as exc:
+            raise KafkaConnectionError(f"broker {node}: {exc}") from exc
+        self._conns[node] = conn
+        return conn
+
     async def _fetch(
         self, node: int, wanted: list[tuple[TopicPartition, int]], generation: int
     ) -> None:
         try:
-            response = await self.client.send(node, self._request(wanted))
-        except KafkaError as exc:
+            conn = await self._connect(node)
+            # Read at once, its records copied out: its buffer can be the next's.
+            version, frame = await conn.request(self._request(wanted), reuse=True)
+            # The body, after the correlation id (a v0 response header).
+            failed, answers = self._answer(frame, 4, version)
+        except (KafkaError, ValueError) as exc:
             self.problems.warn(f"fetch:{node}", "fetch failed; retrying", node=node, error=str(exc))
             self.client.force_metadata_update()
             await asyncio.sleep(self._backoff_s)
             return
         if generation != self.generation:
             return  # sent before a rebalance
+        if failed:  # a fetch session's error: the answer holds no partitions
+            self.problems.warn(
+                f"fetch-error:{failed}", "fetch refused; retrying", node=node, error_code=failed
+            )
+            await asyncio.sleep(self._backoff_s)
+            return
         asked = dict(wanted)
         now_ms = int(time.time() * 1000)
-        version = response.API_VERSION
         committed = self._isolation == 1
         retry = False
-        for topic, partitions in response.topics:
-            mode = self.modes.get(topic)
-            for partition, error_code, highwater, *data in partitions:
-                tp = TopicPartition(topic, partition)
-                st = self.parts.get(tp)
-                if st is None or st.fetch_at != asked.get(tp):
-                    continue  # sought elsewhere meanwhile
-                error = kafka_errors.for_code(error_code)
-                if error is kafka_errors.NoError:
-                    st.highwater = highwater
-                    st.answered_ms = now_ms
-                    # v4+: [lso, (log start,) aborted, (preferred replica,) records]
-                    aborted = data[2] if version >= 11 else data[-2] if version >= 4 else None
-                    st.lso = data[0] if version >= 4 else None
-                    self._read(tp, st, data[-1], mode, aborted, committed)
-                elif issubclass(error, _METADATA_ERRORS):
-                    self.client.force_metadata_update()
-                    retry = True
-                elif error is kafka_errors.OffsetOutOfRangeError:
-                    self._out_of_range[tp] = st.fetch_at
-                elif error is TopicAuthorizationFailedError:
-                    self._failure = TopicAuthorizationFailedError(topic)
-                else:
-                    self.problems.warn(
-                        f"fetch-error:{error.__name__}",
-                        "unexpected fetch error; retrying",
-                        partition=str(tp),
-                        error=error.__name__,
-                    )
-                    retry = True
+        for topic, partition, error_code, highwater, lso, aborted, start, end in answers:
+            tp = TopicPartition(topic, partition)
+            st = self.parts.get(tp)
+            if st is None or st.fetch_at != asked.get(tp):
+                continue  # sought elsewhere meanwhile
+            error = kafka_errors.for_code(error_code)
+            if error is kafka_errors.NoError:
+                st.highwater = highwater
+                st.answered_ms = now_ms
+                st.lso = lso
+                self._read(tp, st, frame[start:end], self.modes.get(topic), aborted, committed)
+            elif issubclass(error, _METADATA_ERRORS):
+                self.client.force_metadata_update()
+                retry = True
+            elif error is kafka_errors.OffsetOutOfRangeError:
+                self._out_of_range[tp] = st.fetch_at
+            elif error is TopicAuthorizationFailedError:
+                self._failure = TopicAuthorizationFailedError(topic)
+            else:
+                self.problems.warn(
+                    f"fetch-error:{error.__name__}",
+                    "unexpected fetch error; retrying",
+                    partition=str(tp),
+                    error=error.__name__,
+                )
+                retry = True
         if retry:  # the node stays busy meanwhile: no request storm while metadata settles
             await asyncio.sleep(self._backoff_s)
 
@@ -445,7 +483,7 @@ class NativeFetcher:
         self,
         tp: TopicPartition,
         st: _Partition,
-        data: bytes,
+        data: memoryview,
         mode: bool | None,
         aborted: list[tuple[int, int]] | None,
         committed: bool,
@@ -472,16 +510,23 @@ class NativeFetcher:
 def native_fetcher(consumer: AIOKafkaConsumer, kafka: KafkaConfig) -> NativeFetcher:
     """The daemon's fetcher for `consumer` (read_committed, no reset: the
     event consumer handles deleted positions), with a client of its own."""
+    client_id = f"{kafka.client_id}-fetch"
     client = AIOKafkaClient(
         bootstrap_servers=kafka.bootstrap_servers,
-        client_id=f"{kafka.client_id}-fetch",
+        client_id=client_id,
         **kafka_service_options(kafka),
     )
+    connection = {
+        "client_id": client_id,
+        "request_timeout_ms": kafka.request_timeout_ms,
+        **kafka_client_options(kafka),
+    }
     return NativeFetcher(
         consumer,
         client,
         {},
         isolation_level="read_committed",
         auto_offset_reset="none",
+        connection=connection,
         **kafka_fetch_options(kafka),  # type: ignore[arg-type]
     )

@@ -199,7 +199,7 @@ class RecordReader:
     ) -> RecordReader: ...
     def read(
         self,
-        data: bytes,
+        data: bytes | bytearray | memoryview,
         fetch_offset: int,
         pool: bool | None,
         aborted: list[tuple[int, int]] | None = None,
@@ -207,4 +207,10 @@ class RecordReader:
     ) -> Fetched: ...
 
 def merge_fetched(parts: list[Fetched], starts: list[int], limit: int) -> Merged: ...
+def fetch_response(
+    data: bytes | bytearray | memoryview, offset: int, version: int
+) -> tuple[
+    int,
+    list[tuple[str, int, int, int, int | None, list[tuple[int, int]] | None, int, int]],
+]: ...
 def crc32c(data: bytes) -> int: ...

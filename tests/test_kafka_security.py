@@ -30,7 +30,15 @@ from kvconductor.config import load_config
 from kvconductor.kafka.access import KafkaAccessError, check_access
 from kvconductor.tools.kafka_local import broker as kafka_local
 from tests.bridge_fakes import FakePublisher
-from tests.harness import daemon_config, http_json, stored, vllm_payload, wait_for
+from tests.harness import (
+    daemon_config,
+    engine_headers,
+    http_json,
+    produce,
+    stored,
+    vllm_payload,
+    wait_for,
+)
 from tests.test_cli import REPO, cfg_env, kvconductor
 
 pytestmark = pytest.mark.kafka
@@ -295,6 +303,34 @@ async def test_bridge_daemon_and_replica_move_events_through_the_listener(
     finally:
         await pub.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("protocol", ["SSL", "SASL_SSL"])
+async def test_the_native_fetch_path_reads_through_the_listener(
+    secured: Secured, protocol: str
+) -> None:
+    """`fetch_path = "native"`: its own broker connections (kvconductor.kafka.frames)
+    are opened on the secured listener as aiokafka's are, TLS and SCRAM included."""
+    security = {**secured.env(protocol), "KVCONDUCTOR_KAFKA_FETCH_PATH": "native"}
+    cfg = daemon_config(secured.plaintext, **security)
+    env = {
+        **cfg_env(cfg),
+        **security,
+        "KVCONDUCTOR_HTTP_PORT": "0",
+        "KVCONDUCTOR_LOG_FORMAT": "json",
+    }
+    instance = f"vllm-native-{protocol.lower()}"
+    tokens = list(range(1, 9))
+    async with service("run", env=env) as daemon:
+        port = await daemon.http_port("http listening")
+        await wait_for(lambda: ready(port), 90, "daemon ready")
+        record = (instance, vllm_payload([stored([1, 2], tokens)]), engine_headers())
+        await produce(secured.plaintext, cfg.kafka.engine_topic, [record])
+
+        async def indexed() -> bool:
+            return await longest(port, tokens, instance) == 8
+
+        await wait_for(indexed, 60, "the daemon indexed the record")
 
 
 FAULTS = {

@@ -14,14 +14,20 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
+from aiokafka.errors import KafkaConnectionError
+from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from consumers.fetcher import NativeFetcher, record_reader
 from kvconductor.index.conductor import Conductor, Incoming
+from kvconductor.kafka.frames import FrameConnection, _Frames
 from kvconductor.kernel import KERNEL
 from kvconductor.snapshots.units import state_fingerprint
 from tests.harness import daemon_config, engine_headers, produce, read_all, running, wait_for
 from tests.test_daemon_kafka import random_stream
+
+if KERNEL is not None:
+    from kvconductor import _kernel
 
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="needs the compiled kernel")
 
@@ -305,3 +311,184 @@ async def test_the_daemon_on_the_native_path(kafka_bootstrap: str) -> None:
     assert h["dlq-kind"] == b"undecodable"
     assert h["dlq-source-topic"].decode() == cfg.kafka.engine_topic
     assert dead[0].key == b"a" and dead[0].value == b"\xc1garbage"
+
+
+class _Owner:
+    """What a `_Frames` hands its frames to (a `FrameConnection`'s part)."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.closed: list[Exception | None] = []
+
+    def _buffer_for(self, size: int) -> memoryview:
+        return memoryview(bytearray(size))
+
+    def _on_frame(self, frame: memoryview) -> None:
+        self.frames.append(bytes(frame))
+
+    def close(self, why: Exception | None = None) -> None:
+        self.closed.append(why)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 7, 1 << 20])
+def test_frames_split_across_reads_arrive_whole(chunk: int) -> None:
+    """However the socket's bytes come (the transport reads at most what
+    `get_buffer` offers), each frame is handed over once, whole, in order."""
+    frames = [b"\x00\x00\x00\x01" + bytes(range(256)) * 40, b"", b"\x00\x00\x00\x02ab", b"x" * 9]
+    wire = b"".join(len(f).to_bytes(4, "big") + f for f in frames)
+    owner = _Owner()
+    proto = _Frames(owner)  # type: ignore[arg-type]
+    at = 0
+    while at < len(wire):
+        buf = proto.get_buffer(-1)
+        n = min(chunk, len(buf), len(wire) - at)
+        buf[:n] = wire[at : at + n]
+        proto.buffer_updated(n)
+        at += n
+    assert owner.frames == frames
+    proto.buffer_updated(0)  # a read of nothing changes nothing
+    assert owner.frames == frames and not owner.closed
+    buf = proto.get_buffer(-1)
+    buf[:4] = (-5).to_bytes(4, "big", signed=True)
+    proto.buffer_updated(4)
+    assert len(owner.closed) == 1  # a negative size: the connection is out of step
+
+
+async def _fill_to_end(fetcher: NativeFetcher, tps: list[TopicPartition], rows: list[Row]) -> None:
+    ends = await fetcher.consumer.end_offsets(tps)
+    deadline = time.monotonic() + 30
+    while any((fetcher.position(tp) or 0) < ends[tp] for tp in tps):
+        assert time.monotonic() < deadline, "the native fetcher did not reach the end"
+        await fetcher.fill(200)
+        batch = fetcher.take(10_000, {}, set(tps))
+        for i in range(len(batch) if batch is not None else 0):
+            assert batch is not None
+            rec = batch.record(i)
+            rows.append((rec.partition, rec.offset, rec.timestamp, rec.key, rec.value, rec.headers))
+
+
+async def _started_fetcher(
+    bootstrap: str, topic: str, **options: Any
+) -> tuple[NativeFetcher, list[TopicPartition]]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, client_id="native-test")
+    fetcher = NativeFetcher(consumer, client, {topic: False}, fetch_max_wait_ms=100, **options)
+    await fetcher.start()
+    tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+    consumer.assign(tps)
+    fetcher.assign({tp: 0 for tp in tps})
+    return fetcher, tps
+
+
+@pytest.mark.kafka
+async def test_batches_past_the_fetch_size_and_dropped_connections(kafka_bootstrap: str) -> None:
+    """A batch larger than the partition fetch size comes whole (the broker
+    sends a partition's first batch whatever its size), answers cut short
+    mid-batch are fetched on from the cut, and a connection the broker
+    drops is opened again: every record once, in order."""
+    topic = await _topic(kafka_bootstrap)
+    big = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, linger_ms=50, max_batch_size=512 * 1024
+    )
+    await big.start()
+    try:
+        sent = [
+            await big.send(topic, bytes([i % 251]) * 20_000, key=b"k", partition=i % PARTITIONS)
+            for i in range(60)
+        ]
+        await asyncio.gather(*sent)
+    finally:
+        await big.stop()
+    want = await _aiokafka_rows(kafka_bootstrap, topic, "read_committed")
+    fetcher, tps = await _started_fetcher(
+        kafka_bootstrap, topic, max_partition_fetch_bytes=4096, fetch_max_bytes=64 * 1024
+    )
+    try:
+        rows: list[Row] = []
+        await fetcher.fill(2000)
+        assert fetcher.ready()
+        for conn in fetcher._conns.values():
+            conn._transport.abort()  # as a broker going away does
+        await _fill_to_end(fetcher, tps, rows)
+        assert sorted(rows) == want
+        assert fetcher.corrupt_reads == 0
+    finally:
+        await fetcher.stop()
+        await fetcher.consumer.stop()
+
+
+@pytest.mark.kafka
+async def test_a_deleted_topic_is_a_leader_error_not_a_crash(kafka_bootstrap: str) -> None:
+    """Partitions whose leader answers UNKNOWN_TOPIC_OR_PARTITION (a topic
+    deleted under the daemon) are looked up again and fetched on at their
+    positions, without an error out of `fill`."""
+    topic = await _topic(kafka_bootstrap)
+    await _produce(kafka_bootstrap, topic, "none")
+    fetcher, tps = await _started_fetcher(kafka_bootstrap, topic)
+    try:
+        rows: list[Row] = []
+        await _fill_to_end(fetcher, tps, rows)
+        positions = {tp: fetcher.position(tp) for tp in tps}
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_topics([topic])
+        finally:
+            await admin.close()
+        for _ in range(10):
+            await fetcher.fill(200)
+            assert fetcher.take(10_000, {}, set(tps)) is None
+        assert {tp: fetcher.position(tp) for tp in tps} == positions
+    finally:
+        await fetcher.stop()
+        await fetcher.consumer.stop()
+
+
+@pytest.mark.kafka
+async def test_a_frame_connection_answers_in_order(kafka_bootstrap: str) -> None:
+    """Requests sent back to back on one connection are answered each by
+    its own frame; closed, a connection fails what it still owes."""
+    host, port = kafka_bootstrap.rsplit(":", 1)
+    conn = await FrameConnection.open(host, int(port), client_id="frames-test")
+    try:
+        topics = [f"no-such-topic-{i}" for i in range(3)]
+        answers = await asyncio.gather(
+            *[conn.request(FetchRequest(10, 1, 1024, 1, [(t, [(0, 0, 1024)])])) for t in topics]
+        )
+        for topic, (version, frame) in zip(topics, answers, strict=True):
+            failed, parts = _kernel.fetch_response(frame, 4, version)
+            assert failed == 0
+            assert [(p[0], p[1], p[2]) for p in parts] == [(topic, 0, 3)]  # unknown partition
+        # One after the other, `reuse`: each answer read into the last one's buffer.
+        kept = []
+        for topic in topics:
+            version, frame = await conn.request(
+                FetchRequest(10, 1, 1024, 1, [(topic, [(0, 0, 1024)])]), reuse=True
+            )
+            assert _kernel.fetch_response(frame, 4, version)[1][0][0] == topic
+            kept.append(frame.obj)
+        assert kept[0] is kept[1] is kept[2]
+        assert all(a[1].obj is not kept[0] for a in answers)
+        # Past a partition's end: the broker holds the fetch for its max wait.
+        quiet = await _topic(kafka_bootstrap)
+        await produce(kafka_bootstrap, quiet, [("k", b"v", [])])
+        consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(quiet, p) for p in range(PARTITIONS)]
+            ends = [
+                (tp.partition, end, 1024) for tp, end in (await consumer.end_offsets(tps)).items()
+            ]
+        finally:
+            await consumer.stop()
+        pending = asyncio.ensure_future(
+            conn.request(FetchRequest(5000, 1 << 20, 1 << 21, 1, [(quiet, ends)]))
+        )
+        await asyncio.sleep(0.05)
+        conn.close()
+        with pytest.raises(KafkaConnectionError):
+            await pending
+        assert not conn.connected
+    finally:
+        conn.close()

@@ -164,13 +164,15 @@ fn json_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, PyB
     Some(PyBytes::new(py, &query_json::json_tokens(buffer_bytes(&raw)?)?))
 }
 
-/// The bytes of a contiguous buffer (a msgspec.Raw or bytes), or None.
-fn buffer_bytes(raw: &PyBuffer<u8>) -> Option<&[u8]> {
+/// The bytes of a contiguous buffer (a msgspec.Raw, bytes, or a fetch
+/// response's buffer), or None.
+pub(crate) fn buffer_bytes(raw: &PyBuffer<u8>) -> Option<&[u8]> {
     if !raw.is_c_contiguous() {
         return None;
     }
     // SAFETY: `len_bytes` contiguous bytes that stay alive and unchanged
-    // while the buffer is held (msgspec.Raw and bytes are immutable).
+    // while the buffer is held (msgspec.Raw and bytes are immutable; the
+    // fetcher writes a response's buffer only before it reads it).
     Some(unsafe { std::slice::from_raw_parts(raw.buf_ptr() as *const u8, raw.len_bytes()) })
 }
 

@@ -418,6 +418,137 @@ pub fn merge_by_timestamp(parts: &[&[i64]], limit: usize) -> Vec<(u32, u32)> {
     out
 }
 
+// ----------------------------------------------------------- Fetch responses
+
+/// One partition's answer in a Fetch response: its records are
+/// `records` of the response's bytes (empty when the broker sent none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionAnswer<'a> {
+    pub topic: &'a str,
+    pub partition: i32,
+    pub error_code: i16,
+    pub high_watermark: i64,
+    /// v4+.
+    pub last_stable_offset: Option<i64>,
+    /// v4+: (producer id, first offset); None when the broker sent null.
+    pub aborted: Option<Vec<(i64, i64)>>,
+    pub records: std::ops::Range<usize>,
+}
+
+/// A Fetch response's body (after the response header), versions 0 to 11
+/// (the non-flexible ones, all aiokafka's `FetchRequest` sends): the
+/// response's own error code (v7+, fetch sessions; 0 before) and each
+/// partition's answer, the records left in place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchAnswer<'a> {
+    pub error_code: i16,
+    pub partitions: Vec<PartitionAnswer<'a>>,
+}
+
+/// A cursor over a response's fixed-width fields (big-endian).
+struct Fields<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Fields<'a> {
+    fn take(&mut self, n: usize) -> Result<std::ops::Range<usize>, &'static str> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or("fetch response cut short")?;
+        let out = self.at..end;
+        self.at = end;
+        Ok(out)
+    }
+
+    fn i16(&mut self) -> Result<i16, &'static str> {
+        let r = self.take(2)?;
+        Ok(be_i16(self.b, r.start))
+    }
+
+    fn i32(&mut self) -> Result<i32, &'static str> {
+        let r = self.take(4)?;
+        Ok(be_i32(self.b, r.start))
+    }
+
+    fn i64(&mut self) -> Result<i64, &'static str> {
+        let r = self.take(8)?;
+        Ok(be_i64(self.b, r.start))
+    }
+
+    /// An array's length; None for a null array. A length the bytes left
+    /// cannot hold (at `min_item` bytes an item) is an error, so a
+    /// corrupt length never reserves memory.
+    fn array_len(&mut self, min_item: usize) -> Result<Option<usize>, &'static str> {
+        match self.i32()? {
+            -1 => Ok(None),
+            n => {
+                let n = usize::try_from(n).map_err(|_| "negative array length in fetch response")?;
+                if n.saturating_mul(min_item) > self.b.len() - self.at {
+                    return Err("fetch response cut short");
+                }
+                Ok(Some(n))
+            }
+        }
+    }
+}
+
+/// Reads a Fetch response body of `version` (0..=11).
+pub fn parse_fetch_response(b: &[u8], version: i16) -> Result<FetchAnswer<'_>, &'static str> {
+    if !(0..=11).contains(&version) {
+        return Err("fetch response version not read here");
+    }
+    let mut f = Fields { b, at: 0 };
+    if version >= 1 {
+        f.i32()?; // throttle time
+    }
+    let mut error_code = 0;
+    if version >= 7 {
+        error_code = f.i16()?;
+        f.i32()?; // session id
+    }
+    let mut partitions = Vec::new();
+    for _ in 0..f.array_len(6)?.unwrap_or(0) {
+        let len = usize::try_from(f.i16()?).map_err(|_| "null topic name in fetch response")?;
+        let name = f.take(len)?;
+        let topic = std::str::from_utf8(&b[name]).map_err(|_| "topic name in fetch response not UTF-8")?;
+        for _ in 0..f.array_len(18)?.unwrap_or(0) {
+            let partition = f.i32()?;
+            let error_code = f.i16()?;
+            let high_watermark = f.i64()?;
+            let (mut last_stable_offset, mut aborted) = (None, None);
+            if version >= 4 {
+                last_stable_offset = Some(f.i64()?);
+                if version >= 5 {
+                    f.i64()?; // log start offset
+                }
+                if let Some(n) = f.array_len(16)? {
+                    let mut txns = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        txns.push((f.i64()?, f.i64()?));
+                    }
+                    aborted = Some(txns);
+                }
+                if version >= 11 {
+                    f.i32()?; // preferred read replica
+                }
+            }
+            let records = match f.i32()? {
+                -1 => f.at..f.at,
+                n => f.take(usize::try_from(n).map_err(|_| "negative records size in fetch response")?)?,
+            };
+            partitions.push(PartitionAnswer {
+                topic,
+                partition,
+                error_code,
+                high_watermark,
+                last_stable_offset,
+                aborted,
+                records,
+            });
+        }
+    }
+    Ok(FetchAnswer { error_code, partitions })
+}
+
 // ------------------------------------------------------------------ CRC-32C
 
 const CASTAGNOLI: u32 = 0x82f6_3b78; // reflected
@@ -446,7 +577,7 @@ fn crc32c_table(crc: u32, data: &[u8]) -> u32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2")]
-unsafe fn crc32c_sse42(crc: u32, data: &[u8]) -> u32 {
+unsafe fn crc32c_sse42_serial(crc: u32, data: &[u8]) -> u32 {
     use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
     let mut c = u64::from(crc);
     let mut words = data.chunks_exact(8);
@@ -458,6 +589,65 @@ unsafe fn crc32c_sse42(crc: u32, data: &[u8]) -> u32 {
         c = _mm_crc32_u8(c, b);
     }
     c
+}
+
+/// Bytes each of the three interleaved CRCs covers a stride (see
+/// `crc32c_sse42`).
+const LANE: usize = 1024;
+
+/// `crc32c_sse42_serial(c, [0; LANE])`, which is linear in `c`, as four
+/// tables of its value on each byte of `c`.
+#[cfg(target_arch = "x86_64")]
+fn lane_shift() -> &'static [[u32; 256]; 4] {
+    static SHIFT: std::sync::OnceLock<Box<[[u32; 256]; 4]>> = std::sync::OnceLock::new();
+    SHIFT.get_or_init(|| {
+        let zeros = [0u8; LANE];
+        // SAFETY: only called from `crc32c_sse42`, which the CPU can run.
+        let bit: Vec<u32> = (0..32).map(|i| unsafe { crc32c_sse42_serial(1 << i, &zeros) }).collect();
+        let mut t = Box::new([[0u32; 256]; 4]);
+        for (k, table) in t.iter_mut().enumerate() {
+            for (b, slot) in table.iter_mut().enumerate() {
+                *slot = (0..8).filter(|j| b >> j & 1 != 0).fold(0, |acc, j| acc ^ bit[8 * k + j]);
+            }
+        }
+        t
+    })
+}
+
+/// CRC-32C by the SSE 4.2 instruction. One chain of it waits three
+/// cycles an instruction for the last; three independent chains over
+/// three lanes of each stride keep the unit busy, and are joined by the
+/// CRC's linearity: crc(c, A || B) = crc(c, zeros(|B|)) ^ crc(0, B).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+unsafe fn crc32c_sse42(crc: u32, data: &[u8]) -> u32 {
+    use std::arch::x86_64::_mm_crc32_u64;
+    if data.len() < 3 * LANE {
+        return crc32c_sse42_serial(crc, data);
+    }
+    let shift = lane_shift();
+    let by_shift = |c: u32| {
+        let t = shift;
+        t[0][(c & 0xff) as usize]
+            ^ t[1][(c >> 8 & 0xff) as usize]
+            ^ t[2][(c >> 16 & 0xff) as usize]
+            ^ t[3][(c >> 24) as usize]
+    };
+    let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    let mut c = crc;
+    let mut strides = data.chunks_exact(3 * LANE);
+    for stride in &mut strides {
+        let (a, rest) = stride.split_at(LANE);
+        let (b, d) = rest.split_at(LANE);
+        let (mut c0, mut c1, mut c2) = (u64::from(c), 0u64, 0u64);
+        for i in (0..LANE).step_by(8) {
+            c0 = _mm_crc32_u64(c0, word(a, i));
+            c1 = _mm_crc32_u64(c1, word(b, i));
+            c2 = _mm_crc32_u64(c2, word(d, i));
+        }
+        c = by_shift(by_shift(c0 as u32) ^ c1 as u32) ^ c2 as u32;
+    }
+    crc32c_sse42_serial(c, strides.remainder())
 }
 
 /// CRC-32C (Castagnoli), as Kafka's record batches carry it.
@@ -474,6 +664,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 
 mod py {
     use super::*;
+    use pyo3::buffer::PyBuffer;
     use pyo3::exceptions::{PyTypeError, PyValueError};
     use pyo3::ffi;
     use pyo3::prelude::*;
@@ -751,16 +942,19 @@ mod py {
         /// One partition's `records` bytes from `fetch_offset` on (see
         /// `read_partition`). `pool`: every record's `Incoming.pool`; None:
         /// repartitioned records, whose kind and key are in their headers.
+        /// `data` is any contiguous buffer (bytes, or a memoryview of a
+        /// fetch response's buffer), unchanged while it is read.
         #[pyo3(signature = (data, fetch_offset, pool, aborted = None, read_committed = true))]
         fn read(
             &mut self,
             py: Python<'_>,
-            data: &[u8],
+            data: PyBuffer<u8>,
             fetch_offset: i64,
             pool: Option<bool>,
             aborted: Option<Vec<(i64, i64)>>,
             read_committed: bool,
         ) -> PyResult<Fetched> {
+            let data = contiguous(&data)?;
             let inflate = self.inflate.clone_ref(py).into_bound(py);
             let mut calls = Calls { py, inflate: &inflate };
             let list = PyList::empty(py);
@@ -823,6 +1017,54 @@ mod py {
         }
     }
 
+    fn contiguous(data: &PyBuffer<u8>) -> PyResult<&[u8]> {
+        crate::buffer_bytes(data).ok_or_else(|| PyValueError::new_err("a contiguous buffer of bytes"))
+    }
+
+    /// One partition's answer in a Fetch response: (topic, partition,
+    /// error code, high watermark, last stable offset or None, aborted
+    /// transactions or None, where its records start and end in `data`).
+    type Answer = (Py<PyString>, i32, i16, i64, Option<i64>, Option<Vec<(i64, i64)>>, usize, usize);
+
+    /// The Fetch response of `version` in `data` from `offset` on (its
+    /// body, after the response header; see `parse_fetch_response`): its
+    /// own error code and its partitions' answers, their records left in
+    /// `data` (read them with `RecordReader.read` on a slice of it).
+    #[pyfunction]
+    pub fn fetch_response(
+        py: Python<'_>,
+        data: PyBuffer<u8>,
+        offset: usize,
+        version: i16,
+    ) -> PyResult<(i16, Vec<Answer>)> {
+        let bytes = contiguous(&data)?;
+        let body = bytes.get(offset..).ok_or_else(|| PyValueError::new_err("offset past the response"))?;
+        let answer = parse_fetch_response(body, version).map_err(PyValueError::new_err)?;
+        let mut names: Vec<(&str, Py<PyString>)> = Vec::new();
+        let mut out = Vec::with_capacity(answer.partitions.len());
+        for p in answer.partitions {
+            let name = match names.iter().find(|(n, _)| *n == p.topic) {
+                Some((_, t)) => t.clone_ref(py),
+                None => {
+                    let t = PyString::new(py, p.topic).unbind();
+                    names.push((p.topic, t.clone_ref(py)));
+                    t
+                }
+            };
+            out.push((
+                name,
+                p.partition,
+                p.error_code,
+                p.high_watermark,
+                p.last_stable_offset,
+                p.aborted,
+                offset + p.records.start,
+                offset + p.records.end,
+            ));
+        }
+        Ok((answer.error_code, out))
+    }
+
     /// `crc32c(data)`, for the tests.
     #[pyfunction]
     pub fn crc32c(data: &[u8]) -> u32 {
@@ -837,6 +1079,7 @@ pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()
     m.add_class::<py::Fetched>()?;
     m.add_class::<py::Merged>()?;
     m.add_function(wrap_pyfunction!(py::merge_fetched, m)?)?;
+    m.add_function(wrap_pyfunction!(py::fetch_response, m)?)?;
     m.add_function(wrap_pyfunction!(py::crc32c, m)?)?;
     Ok(())
 }
@@ -994,8 +1237,11 @@ mod tests {
     fn crc32c_known_answers() {
         assert_eq!(crc32c(b"123456789"), 0xe306_9283);
         assert_eq!(crc32c(b""), 0);
-        let long: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
-        assert_eq!(crc32c(&long), !crc32c_table(!0, &long));
+        let long: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + (i >> 9)) as u8).collect();
+        for n in [0, 1, 7, 1000, 3071, 3072, 3073, 3080, 6144, 10_000, 40_000] {
+            assert_eq!(crc32c(&long[..n]), !crc32c_table(!0, &long[..n]), "{n} bytes");
+            assert_eq!(crc32c(&long[5..n.max(5)]), !crc32c_table(!0, &long[5..n.max(5)]), "{n} bytes, unaligned");
+        }
     }
 
     #[test]
@@ -1186,6 +1432,112 @@ mod tests {
                 &mut Reverse,
                 |_, _| Ok(()),
             );
+        }
+    }
+
+    /// A Fetch response body of `version`: one topic, its partitions
+    /// (partition, error, aborted, records; None: null).
+    fn response(version: i16, topic: &str, parts: &[(i32, i16, Option<&[(i64, i64)]>, Option<&[u8]>)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        if version >= 1 {
+            out.extend_from_slice(&7i32.to_be_bytes()); // throttle
+        }
+        if version >= 7 {
+            out.extend_from_slice(&0i16.to_be_bytes());
+            out.extend_from_slice(&99i32.to_be_bytes()); // session
+        }
+        out.extend_from_slice(&1i32.to_be_bytes());
+        out.extend_from_slice(&(topic.len() as i16).to_be_bytes());
+        out.extend_from_slice(topic.as_bytes());
+        out.extend_from_slice(&(parts.len() as i32).to_be_bytes());
+        for &(partition, error, aborted, records) in parts {
+            out.extend_from_slice(&partition.to_be_bytes());
+            out.extend_from_slice(&error.to_be_bytes());
+            out.extend_from_slice(&100i64.to_be_bytes()); // high watermark
+            if version >= 4 {
+                out.extend_from_slice(&90i64.to_be_bytes()); // last stable
+                if version >= 5 {
+                    out.extend_from_slice(&3i64.to_be_bytes()); // log start
+                }
+                match aborted {
+                    None => out.extend_from_slice(&(-1i32).to_be_bytes()),
+                    Some(txns) => {
+                        out.extend_from_slice(&(txns.len() as i32).to_be_bytes());
+                        for &(pid, first) in txns {
+                            out.extend_from_slice(&pid.to_be_bytes());
+                            out.extend_from_slice(&first.to_be_bytes());
+                        }
+                    }
+                }
+                if version >= 11 {
+                    out.extend_from_slice(&(-1i32).to_be_bytes()); // preferred replica
+                }
+            }
+            match records {
+                None => out.extend_from_slice(&(-1i32).to_be_bytes()),
+                Some(r) => {
+                    out.extend_from_slice(&(r.len() as i32).to_be_bytes());
+                    out.extend_from_slice(r);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn fetch_responses_of_every_version_leave_the_records_in_place() {
+        let data = batch(&plain(0), &[rec(0, b"a", b"1"), rec(1, b"b", b"2")]);
+        let txns: &[(i64, i64)] = &[(7, 0), (8, 5)];
+        for version in 0..=11 {
+            let body = response(version, "events", &[(0, 0, Some(txns), Some(&data)), (2, 6, None, None)]);
+            let answer = parse_fetch_response(&body, version).unwrap();
+            assert_eq!(answer.error_code, 0);
+            let [p0, p2] = &answer.partitions[..] else { panic!("two partitions") };
+            assert_eq!((p0.topic, p0.partition, p0.error_code, p0.high_watermark), ("events", 0, 0, 100));
+            assert_eq!(&body[p0.records.clone()], &data[..]);
+            let (rows, _) = read_all(&body[p0.records.clone()], 0, &[], true, &mut NoInflate);
+            assert_eq!(offsets(&rows), [0, 1]);
+            assert_eq!((p2.partition, p2.error_code), (2, 6));
+            assert!(p2.records.is_empty());
+            if version >= 4 {
+                assert_eq!(p0.last_stable_offset, Some(90));
+                assert_eq!(p0.aborted.as_deref(), Some(txns));
+                assert_eq!(p2.aborted, None);
+            } else {
+                assert_eq!((p0.last_stable_offset, &p0.aborted), (None, &None));
+            }
+        }
+    }
+
+    #[test]
+    fn bad_fetch_responses_are_errors_never_panics() {
+        let data = batch(&plain(0), &[rec(0, b"a", b"1")]);
+        let body = response(11, "events", &[(0, 0, Some(&[(1, 2)]), Some(&data))]);
+        for cut in 0..body.len() {
+            assert!(parse_fetch_response(&body[..cut], 11).is_err(), "cut at {cut}");
+        }
+        assert!(parse_fetch_response(&body, 12).is_err());
+        assert!(parse_fetch_response(&body, -1).is_err());
+        let mut bad_name = body.clone();
+        bad_name[16] = 0xff; // the topic name's first byte (after throttle, error, session, count, length)
+        assert!(parse_fetch_response(&bad_name, 11).is_err());
+        // A claimed count far past the bytes left reserves nothing.
+        let mut huge = body.clone();
+        huge[10..14].copy_from_slice(&i32::MAX.to_be_bytes());
+        assert!(parse_fetch_response(&huge, 11).is_err());
+        let mut state = 0x9e37_79b9_u64;
+        for _ in 0..5000 {
+            let mut b = body.clone();
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let at = (state as usize) % b.len();
+            b[at] = (state >> 40) as u8;
+            if let Ok(answer) = parse_fetch_response(&b, 11) {
+                for p in answer.partitions {
+                    assert!(p.records.end <= b.len());
+                }
+            }
         }
     }
 
