@@ -627,9 +627,18 @@ struct Frozen {
 }
 
 impl Frozen {
-    /// Before `held` (an owner's tier) changes or goes.
+    /// Before `held` (an owner's tier) changes or goes (inline: the lane
+    /// calls it for every hash, and no cut is open nearly always).
+    #[inline]
     fn keep_tier(&mut self, slot: usize, tier: usize, held: &SeqSet) {
-        if !self.tiers.is_empty() && self.tiers.remove(&(slot, tier)) {
+        if !self.tiers.is_empty() {
+            self.keep_frozen_tier(slot, tier, held);
+        }
+    }
+
+    #[inline(never)]
+    fn keep_frozen_tier(&mut self, slot: usize, tier: usize, held: &SeqSet) {
+        if self.tiers.remove(&(slot, tier)) {
             self.kept_tiers.insert((slot, tier), held.iter().copied().collect());
         }
     }
