@@ -103,17 +103,32 @@ impl<S: Slot> Table<S> {
         }
     }
 
-    /// Room for `n` more keys without growing.
+    /// Room for `n` more keys without growing (the check inline: every
+    /// insert makes it; the growth apart).
+    #[inline]
     pub(crate) fn reserve(&mut self, n: usize, hasher: &RandomState) {
         let want = self.len + n;
         if want * 8 > self.slots.len() * MAX_LOAD_EIGHTHS {
-            let capacity = (want * 8 / MAX_LOAD_EIGHTHS * GROW_QUARTERS / 4).max(8);
-            let old = std::mem::replace(&mut self.slots, vec![S::EMPTY; capacity]);
-            for s in old {
-                if s.used() {
-                    let (i, _) = self.find(s.key(), hasher.hash_one(s.key()));
-                    self.slots[i] = s;
+            self.grow(want, hasher);
+        }
+    }
+
+    #[inline(never)]
+    fn grow(&mut self, want: usize, hasher: &RandomState) {
+        let capacity = (want * 8 / MAX_LOAD_EIGHTHS * GROW_QUARTERS / 4).max(8);
+        let old = std::mem::replace(&mut self.slots, vec![S::EMPTY; capacity]);
+        let n = self.slots.len();
+        for s in old {
+            if s.used() {
+                // Keys are distinct: the first empty slot from home is its place.
+                let mut i = home(hasher.hash_one(s.key()), n);
+                while self.slots[i].used() {
+                    i += 1;
+                    if i == n {
+                        i = 0;
+                    }
                 }
+                self.slots[i] = s;
             }
         }
     }
@@ -250,12 +265,20 @@ impl<S: Slot> Tables<S> {
     }
 
     /// One table becomes `SHARDS` when the map is to hold `want` keys, past
-    /// `SPLIT_AT`.
+    /// `SPLIT_AT` (the check inline: every insert makes it).
+    #[inline]
     fn split_if(&mut self, want: usize) {
+        if self.tables.len() != SHARDS && (self.tables.is_empty() || want >= SPLIT_AT) {
+            self.split(want);
+        }
+    }
+
+    #[inline(never)]
+    fn split(&mut self, want: usize) {
         if self.tables.is_empty() {
             self.tables.push(Table::default());
         }
-        if self.tables.len() == SHARDS || want < SPLIT_AT {
+        if want < SPLIT_AT {
             return;
         }
         let old = std::mem::take(&mut self.tables).pop().unwrap_or_default();

@@ -126,6 +126,30 @@ pub struct Removed<'a> {
     pub group_idx: Option<u32>,
 }
 
+/// The bytes a token id takes by its marker, for the encodings `tokens`
+/// reads inline (fixint, uint8, uint16, uint32); 0: another.
+const ID_LEN: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        t[m] = 1;
+        m += 1;
+    }
+    t[0xcc] = 2;
+    t[0xcd] = 3;
+    t[0xce] = 5;
+    t
+};
+
+/// How far the four bytes after a uint8, uint16 or uint32 marker shift
+/// right to leave the id.
+const ID_SHIFT: [u8; 256] = {
+    let mut t = [0u8; 256];
+    t[0xcc] = 24;
+    t[0xcd] = 16;
+    t
+};
+
 struct Rd<'a, 's> {
     b: &'a [u8],
     spare: &'s mut Spare,
@@ -268,15 +292,21 @@ impl<'a> Rd<'a, '_> {
     /// matched as bytes, from `next` on: engines write them in order), None
     /// for another name, which must still be a str for the Python decoder
     /// to take it (the outer None: it is not).
+    #[inline]
     fn key(&mut self, fields: &[(&[u8], Field)], next: usize) -> Option<Option<usize>> {
         // Engines write the fields in order: the expected one is compared
-        // in place first, as its fixstr's bytes.
+        // in place first, as its fixstr's bytes (inline; the search apart).
         if let (Some(&(k, _)), Some((&m, rest))) = (fields.get(next), self.b.split_first()) {
             if k.len() < 32 && usize::from(m) == 0xa0 | k.len() && rest.get(..k.len()).is_some_and(|r| same(r, k)) {
                 self.b = &rest[k.len()..];
                 return Some(Some(next));
             }
         }
+        self.search_key(fields, next)
+    }
+
+    #[inline(never)]
+    fn search_key(&mut self, fields: &[(&[u8], Field)], next: usize) -> Option<Option<usize>> {
         let key = self.str_bytes()?;
         // Length and first byte tell every known name apart: one compare.
         let is = |(k, _): &(&[u8], Field)| k.len() == key.len() && k.first() == key.first() && same(k, key);
@@ -387,34 +417,37 @@ impl<'a> Rd<'a, '_> {
         let mut out = self.spare.tokens.pop().unwrap_or_default();
         out.clear();
         out.reserve(n * 4);
+        let dst = out.spare_capacity_mut().as_mut_ptr().cast::<[u8; 4]>();
         let mut b = self.b;
-        for id in out.spare_capacity_mut()[..n * 4].chunks_exact_mut(4) {
-            // The encodings of a vocabulary's ids first, inline, read from a
-            // window as long as the longest (one bounds check a token).
-            let v = match b.first_chunk::<5>() {
-                Some(&[m @ 0..=0x7f, ..]) => {
-                    b = &b[1..];
-                    u32::from(m)
+        let mut k = 0;
+        while k < n {
+            // The encodings of a vocabulary's ids, inline, while a window as
+            // long as the longest is in bounds (one check a token).
+            while k < n {
+                let Some(&[m, b1, b2, b3, b4]) = b.first_chunk::<5>() else { break };
+                let len = usize::from(ID_LEN[usize::from(m)]);
+                if len == 0 {
+                    break;
                 }
-                Some(&[0xcd, hi, lo, ..]) => {
-                    b = &b[3..];
-                    u32::from(u16::from_be_bytes([hi, lo]))
-                }
-                Some(&[0xcc, v, ..]) => {
-                    b = &b[2..];
-                    u32::from(v)
-                }
-                Some(&[0xce, b1, b2, b3, b4]) => {
-                    b = &b[5..];
-                    u32::from_be_bytes([b1, b2, b3, b4])
-                }
-                _ => crate::msgpack_u32(&mut b)?,
-            };
-            for (byte, v) in id.iter_mut().zip(v.to_le_bytes()) {
-                byte.write(v);
+                // Branch-free: the four bytes after the marker, shifted to
+                // the width the marker gives, or the fixint itself.
+                let wide = u32::from_be_bytes([b1, b2, b3, b4]) >> ID_SHIFT[usize::from(m)];
+                let v = if m < 0x80 { u32::from(m) } else { wide };
+                // SAFETY: `k < n` and the buffer has room for `n` ids.
+                unsafe { dst.add(k).write_unaligned(v.to_le_bytes()) };
+                b = &b[len..];
+                k += 1;
             }
+            if k == n {
+                break;
+            }
+            // Near the end, or another encoding: one id the general way.
+            let v = crate::msgpack_u32(&mut b)?;
+            // SAFETY: as above.
+            unsafe { dst.add(k).write_unaligned(v.to_le_bytes()) };
+            k += 1;
         }
-        // SAFETY: the loop wrote all `n * 4` bytes (it returns early otherwise).
+        // SAFETY: the loops wrote all `n` ids (they return early otherwise).
         unsafe { out.set_len(n * 4) };
         self.b = b;
         Some(Some(out))
@@ -564,16 +597,33 @@ fn push_removed<'a, 'e>(events: &'e mut Vec<Event<'a>>) -> &'e mut Removed<'a> {
     }
 }
 
+#[derive(Clone, Copy)]
+enum Tag {
+    Stored,
+    Removed,
+}
+
+/// The event an engine tag names, compared in word loads (`same`).
+fn tag(name: &[u8]) -> Option<Tag> {
+    if same(name, b"BlockStored") {
+        Some(Tag::Stored)
+    } else if same(name, b"BlockRemoved") {
+        Some(Tag::Removed)
+    } else {
+        None
+    }
+}
+
 fn map_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()> {
     let n = rd.map_len()?;
     // The tag first: how every engine writes it.
-    if n == 0 || rd.str_bytes()? != b"type" {
+    if n == 0 || !same(rd.str_bytes()?, b"type") {
         return None;
     }
     let mut seen = 0u32;
     // The hashes are the first field of both.
-    match rd.str_bytes()? {
-        b"BlockStored" => {
+    match tag(rd.str_bytes()?) {
+        Some(Tag::Stored) => {
             let ev = push_stored(events);
             once(&mut seen, STORED_TYPE)?;
             let mut next = 0;
@@ -588,7 +638,7 @@ fn map_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()>
                 }
             }
         }
-        b"BlockRemoved" => {
+        Some(Tag::Removed) => {
             let ev = push_removed(events);
             once(&mut seen, REMOVED_TYPE)?;
             let mut next = 0;
@@ -613,8 +663,8 @@ fn array_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<(
     if n < 2 {
         return None; // no hashes, or AllBlocksCleared
     }
-    match rd.str_bytes()? {
-        b"BlockStored" if n <= 1 + STORED_POSITIONS => {
+    match tag(rd.str_bytes()?) {
+        Some(Tag::Stored) if n <= 1 + STORED_POSITIONS => {
             let ev = push_stored(events);
             for &(_, field) in &STORED_FIELDS[..n - 1] {
                 // Index 7 may be SGLang's metadata map: the Python decoder's.
@@ -622,7 +672,7 @@ fn array_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<(
             }
             Some(())
         }
-        b"BlockRemoved" if n <= 1 + REMOVED_POSITIONS => {
+        Some(Tag::Removed) if n <= 1 + REMOVED_POSITIONS => {
             let ev = push_removed(events);
             for &(_, field) in &REMOVED_FIELDS[..n - 1] {
                 removed_field(rd, ev, field)?;

@@ -375,7 +375,11 @@ impl Stage<'_, '_> {
 
 impl EngineLane {
     fn tier(&mut self, py: Python<'_>, medium: Option<&str>) -> PyResult<Option<usize>> {
-        if let Some((_, t)) = self.mediums.iter().find(|(m, _)| m.as_deref() == medium) {
+        let is = |m: &Option<String>| match (m, medium) {
+            (Some(m), Some(medium)) => engine_wire::same(m.as_bytes(), medium.as_bytes()),
+            (m, medium) => m.is_none() && medium.is_none(),
+        };
+        if let Some((_, t)) = self.mediums.iter().find(|(m, _)| is(m)) {
             return Ok(*t);
         }
         let t: Option<usize> = self.engine_tier.call1(py, (medium,))?.extract(py)?;
