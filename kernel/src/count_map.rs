@@ -137,20 +137,23 @@ impl<S: Slot> Table<S> {
     /// closer to its home fills the hole, so runs stay unbroken.
     pub(crate) fn remove_at(&mut self, mut hole: usize, hasher: &RandomState) {
         let n = self.slots.len();
-        // How far `to` is past `from`, going round.
-        let dist = |from: usize, to: usize| if to >= from { to - from } else { to + n - from };
         let mut i = hole;
+        // How far `i` is past the hole, going round.
+        let mut gap = 0;
         loop {
             i = if i + 1 == n { 0 } else { i + 1 };
+            gap += 1;
             let s = self.slots[i];
             if !s.used() {
                 break;
             }
             let at = home(hasher.hash_one(s.key()), n);
             // The key may move to the hole if its home is not in (hole, i].
-            if dist(at, i) >= dist(hole, i) {
+            let from_home = if i >= at { i - at } else { i + n - at };
+            if from_home >= gap {
                 self.slots[hole] = s;
                 hole = i;
+                gap = 0;
             }
         }
         self.slots[hole] = S::EMPTY;

@@ -497,7 +497,9 @@ fn new_stored<'a>() -> Stored<'a> {
     }
 }
 
-/// One `BlockStored` field.
+/// One `BlockStored` field (inline: a call a field cost a register save
+/// and restore each).
+#[inline(always)]
 fn stored_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Stored<'a>, field: Field) -> Option<()> {
     match field {
         Field::Hashes => ev.hashes = rd.hashes()?,
@@ -522,6 +524,7 @@ fn stored_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Stored<'a>, field: Field) -> O
     Some(())
 }
 
+#[inline(always)]
 fn removed_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Removed<'a>, field: Field) -> Option<()> {
     match field {
         Field::Hashes => ev.hashes = rd.hashes()?,
