@@ -421,31 +421,44 @@ impl<'a> Rd<'a, '_> {
         let mut b = self.b;
         let mut k = 0;
         while k < n {
-            // The encodings of a vocabulary's ids, inline, while a window as
-            // long as the longest is in bounds (one check a token).
-            while k < n {
-                let Some(&[m, b1, b2, b3, b4]) = b.first_chunk::<5>() else { break };
-                let len = usize::from(ID_LEN[usize::from(m)]);
-                if len == 0 {
+            // Four uint16 ids in one window: a vocabulary below 65,536 ids
+            // writes nearly nothing else.
+            while k + 4 <= n {
+                let Some(w) = b.first_chunk::<12>() else { break };
+                if w[0] != 0xcd || w[3] != 0xcd || w[6] != 0xcd || w[9] != 0xcd {
                     break;
                 }
-                // Branch-free: the four bytes after the marker, shifted to
-                // the width the marker gives, or the fixint itself.
-                let wide = u32::from_be_bytes([b1, b2, b3, b4]) >> ID_SHIFT[usize::from(m)];
-                let v = if m < 0x80 { u32::from(m) } else { wide };
+                for (j, at) in [1, 4, 7, 10].into_iter().enumerate() {
+                    let v = u32::from(u16::from_be_bytes([w[at], w[at + 1]]));
+                    // SAFETY: `k + j < n` and the buffer has room for `n` ids.
+                    unsafe { dst.add(k + j).write_unaligned(v.to_le_bytes()) };
+                }
+                b = &b[12..];
+                k += 4;
+            }
+            // Then up to four ids one at a time: the encodings of a
+            // vocabulary's ids inline while a window as long as the longest
+            // is in bounds, anything else (or near the end) the general way.
+            let stop = n.min(k + 4);
+            while k < stop {
+                let v = match b.first_chunk::<5>() {
+                    Some(&[m, b1, b2, b3, b4]) if ID_LEN[usize::from(m)] != 0 => {
+                        b = &b[usize::from(ID_LEN[usize::from(m)])..];
+                        // Branch-free: the four bytes after the marker,
+                        // shifted to the width it gives, or the fixint itself.
+                        let wide = u32::from_be_bytes([b1, b2, b3, b4]) >> ID_SHIFT[usize::from(m)];
+                        if m < 0x80 {
+                            u32::from(m)
+                        } else {
+                            wide
+                        }
+                    }
+                    _ => crate::msgpack_u32(&mut b)?,
+                };
                 // SAFETY: `k < n` and the buffer has room for `n` ids.
                 unsafe { dst.add(k).write_unaligned(v.to_le_bytes()) };
-                b = &b[len..];
                 k += 1;
             }
-            if k == n {
-                break;
-            }
-            // Near the end, or another encoding: one id the general way.
-            let v = crate::msgpack_u32(&mut b)?;
-            // SAFETY: as above.
-            unsafe { dst.add(k).write_unaligned(v.to_le_bytes()) };
-            k += 1;
         }
         // SAFETY: the loops wrote all `n` ids (they return early otherwise).
         unsafe { out.set_len(n * 4) };
@@ -815,6 +828,66 @@ mod tests {
         let b = decode(&payload).expect("in the subset");
         let Event::Removed(r) = &b.events[0] else { panic!("a removal") };
         assert_eq!(r.hashes, vec![u64::MAX, u64::MAX - 1]);
+    }
+
+    #[test]
+    fn reads_runs_of_uint16_ids_mixed_with_others() {
+        // Sequences mostly of uint16 ids, with other encodings anywhere in
+        // them (the four-at-a-time window must start and stop everywhere).
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for len in 0..40usize {
+            for _ in 0..20 {
+                let mut enc = Vec::new();
+                let mut want = Vec::new();
+                for _ in 0..len {
+                    let r = next();
+                    let v = match r % 8 {
+                        0 => (r >> 8) as u32 & 0x7f,
+                        1 => 0x80 | ((r >> 8) as u32 & 0x7f),
+                        2 => (r >> 8) as u32 | 0x1_0000,
+                        _ => 0x100 + ((r >> 8) as u32 % 0xff00),
+                    };
+                    match v {
+                        0..=0x7f => enc.push(v as u8),
+                        0x80..=0xff => enc.extend_from_slice(&[0xcc, v as u8]),
+                        0x100..=0xffff => {
+                            enc.push(0xcd);
+                            enc.extend_from_slice(&(v as u16).to_be_bytes());
+                        }
+                        _ => {
+                            enc.push(0xce);
+                            enc.extend_from_slice(&v.to_be_bytes());
+                        }
+                    }
+                    want.extend_from_slice(&v.to_le_bytes());
+                }
+                let mut e = vec![0x83];
+                str_(&mut e, "type");
+                str_(&mut e, "BlockStored");
+                str_(&mut e, "block_hashes");
+                e.extend_from_slice(&[0x91, 0x07]);
+                str_(&mut e, "token_ids");
+                e.extend_from_slice(&[0xdc, 0, len as u8]);
+                e.extend_from_slice(&enc);
+                // With and without bytes after the ids (the rank).
+                for rank in [None, Some(3)] {
+                    let p = batch(&[e.clone()], rank);
+                    let b = decode(&p).expect("in the subset");
+                    let Event::Stored(s) = &b.events[0] else { panic!("a store") };
+                    assert_eq!(s.tokens.as_deref().unwrap_or_default(), &want[..]);
+                }
+                if !enc.is_empty() {
+                    let p = batch(&[e.clone()], None);
+                    assert!(decode(&p[..p.len() - 1]).is_none());
+                }
+            }
+        }
     }
 
     #[test]
