@@ -293,7 +293,11 @@ impl Stage<'_, '_> {
             None | Some(0) => true,
             Some(s) => s == ctx.block_size as i128,
         };
-        let kind_ok = ev.kind.is_none() || ev.kind == ctx.kind0.as_deref();
+        let kind_ok = match (ev.kind, ctx.kind0.as_deref()) {
+            (None, _) => true,
+            (Some(kind), Some(kind0)) => engine_wire::same(kind.as_bytes(), kind0.as_bytes()),
+            (Some(_), None) => false,
+        };
         let plain = match ev.extra {
             Extra::None => true,
             Extra::Plain(k) => k == n,
