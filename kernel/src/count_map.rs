@@ -103,6 +103,22 @@ impl<S: Slot> Table<S> {
         }
     }
 
+    /// Asks for the cache line of the home of a key hashed to `h`.
+    #[inline]
+    pub(crate) fn prefetch(&self, h: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = &self.slots[home(h, self.slots.len())] as *const S as *const i8;
+            // SAFETY: a prefetch is a hint; the address is in the array.
+            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = h;
+    }
+
     /// Room for `n` more keys without growing (the check inline: every
     /// insert makes it; the growth apart).
     #[inline]
@@ -244,18 +260,7 @@ impl<S: Slot> Tables<S> {
             return;
         }
         let (h, t) = self.locate(key);
-        let slots = &self.tables[t].slots;
-        if slots.is_empty() {
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            let p = &slots[home(h, slots.len())] as *const S as *const i8;
-            // SAFETY: a prefetch is a hint; the address is in the array.
-            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = h;
+        self.tables[t].prefetch(h);
     }
 
     /// Room for `n` more keys without growing (spread evenly when split).

@@ -434,6 +434,20 @@ impl EngineLane {
             }
             Some(Waits { waiting, children, unresolved })
         };
+        for (ev, &tier) in events.iter().zip(tiers) {
+            let hashes = match ev {
+                Event::Stored(s) => {
+                    if let Some(p) = s.parent {
+                        owner.prefetch(tier, p);
+                    }
+                    &s.hashes
+                }
+                Event::Removed(r) => &r.hashes,
+            };
+            for &h in hashes {
+                owner.prefetch(tier, h);
+            }
+        }
         let changes = &mut self.changes;
         changes.clear();
         let mut stage = Stage { owner: &mut owner, ctx, changes, busy };
@@ -480,6 +494,9 @@ impl EngineLane {
                         }
                         // The catalog's, as placing with no identities takes them.
                         None => idents.extend(s.hashes.iter().map(|&h| owner.content(h).expect("held content"))),
+                    }
+                    for ch in made {
+                        owner.prefetch_mask(tier, idents[ch.at as usize]);
                     }
                     for ch in made {
                         let conflict = owner.acquire(tier, ch.seq, idents[ch.at as usize])?;

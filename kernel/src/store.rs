@@ -931,6 +931,21 @@ impl LaneOwner<'_> {
         self.cat.ident(seq)
     }
 
+    /// Asks for the cache lines of `seq` in the tier and the catalog: at
+    /// hundreds of thousands of blocks each probe is likely a miss, and a
+    /// record's hashes asked for together overlap them.
+    #[inline]
+    pub(crate) fn prefetch(&self, tier: usize, seq: u64) {
+        self.tiers[tier].prefetch(seq);
+        self.cat.map.prefetch(seq);
+    }
+
+    /// Asks for the cache line of content `ident` in the tier's masks.
+    #[inline]
+    pub(crate) fn prefetch_mask(&self, tier: usize, ident: u64) {
+        self.masks[tier].prefetch(ident);
+    }
+
     /// The content of `seq` when some tier or pool holds it (held content
     /// is never expired or evicted, unlike retired content).
     pub(crate) fn held_content(&self, seq: u64) -> Option<u64> {
