@@ -465,6 +465,13 @@ impl EngineLane {
         if rec.now > *now {
             *now = rec.now;
         }
+        // The removed blocks' mask lines, by the content the catalog (in
+        // cache since the prefetch above) names, all asked for together.
+        for c in changes.list.iter().filter(|c| !c.stored) {
+            if let Some(ident) = owner.content(c.seq) {
+                owner.prefetch_mask(usize::from(c.tier), ident);
+            }
+        }
         let mut done = 0;
         let mut from = 0;
         let idents = &mut self.idents;
