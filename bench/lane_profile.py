@@ -13,6 +13,17 @@ under callgrind:
 `run` calls `os.getppid()` just before the timed half and `os.getpgrp()`
 just after it, so the first dump holds the timed half's instructions only.
 It also prints the half's process time, a record (noisy).
+
+The installed kernel has no symbols, so callgrind puts its cost on the
+interpreter. For a profile, build the `profiling` cargo profile (release
+with line tables) and put it in place of the installed module; reinstall
+(`pip install -e .`) to go back to the release build:
+
+    (cd kernel && PYO3_PYTHON=$PWD/../.venv/bin/python \
+        cargo build --profile profiling --features extension-module)
+    cp kernel/target/profiling/lib_kernel.so kvconductor/_kernel$(python -c \
+        'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+    callgrind_annotate --inclusive=no callgrind.out.<pid>.1
 """
 
 from __future__ import annotations

@@ -103,17 +103,48 @@ impl<S: Slot> Table<S> {
         }
     }
 
-    /// Room for `n` more keys without growing.
+    /// Asks for the cache line of the home of a key hashed to `h`.
+    #[inline]
+    pub(crate) fn prefetch(&self, h: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = &self.slots[home(h, self.slots.len())] as *const S as *const i8;
+            // SAFETY: a prefetch is a hint; the address is in the array.
+            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = h;
+    }
+
+    /// Room for `n` more keys without growing (the check inline: every
+    /// insert makes it; the growth apart).
+    #[inline]
     pub(crate) fn reserve(&mut self, n: usize, hasher: &RandomState) {
         let want = self.len + n;
         if want * 8 > self.slots.len() * MAX_LOAD_EIGHTHS {
-            let capacity = (want * 8 / MAX_LOAD_EIGHTHS * GROW_QUARTERS / 4).max(8);
-            let old = std::mem::replace(&mut self.slots, vec![S::EMPTY; capacity]);
-            for s in old {
-                if s.used() {
-                    let (i, _) = self.find(s.key(), hasher.hash_one(s.key()));
-                    self.slots[i] = s;
+            self.grow(want, hasher);
+        }
+    }
+
+    #[inline(never)]
+    fn grow(&mut self, want: usize, hasher: &RandomState) {
+        let capacity = (want * 8 / MAX_LOAD_EIGHTHS * GROW_QUARTERS / 4).max(8);
+        let old = std::mem::replace(&mut self.slots, vec![S::EMPTY; capacity]);
+        let n = self.slots.len();
+        for s in old {
+            if s.used() {
+                // Keys are distinct: the first empty slot from home is its place.
+                let mut i = home(hasher.hash_one(s.key()), n);
+                while self.slots[i].used() {
+                    i += 1;
+                    if i == n {
+                        i = 0;
+                    }
                 }
+                self.slots[i] = s;
             }
         }
     }
@@ -122,20 +153,23 @@ impl<S: Slot> Table<S> {
     /// closer to its home fills the hole, so runs stay unbroken.
     pub(crate) fn remove_at(&mut self, mut hole: usize, hasher: &RandomState) {
         let n = self.slots.len();
-        // How far `to` is past `from`, going round.
-        let dist = |from: usize, to: usize| if to >= from { to - from } else { to + n - from };
         let mut i = hole;
+        // How far `i` is past the hole, going round.
+        let mut gap = 0;
         loop {
             i = if i + 1 == n { 0 } else { i + 1 };
+            gap += 1;
             let s = self.slots[i];
             if !s.used() {
                 break;
             }
             let at = home(hasher.hash_one(s.key()), n);
             // The key may move to the hole if its home is not in (hole, i].
-            if dist(at, i) >= dist(hole, i) {
+            let from_home = if i >= at { i - at } else { i + n - at };
+            if from_home >= gap {
                 self.slots[hole] = s;
                 hole = i;
+                gap = 0;
             }
         }
         self.slots[hole] = S::EMPTY;
@@ -226,18 +260,7 @@ impl<S: Slot> Tables<S> {
             return;
         }
         let (h, t) = self.locate(key);
-        let slots = &self.tables[t].slots;
-        if slots.is_empty() {
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            let p = &slots[home(h, slots.len())] as *const S as *const i8;
-            // SAFETY: a prefetch is a hint; the address is in the array.
-            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = h;
+        self.tables[t].prefetch(h);
     }
 
     /// Room for `n` more keys without growing (spread evenly when split).
@@ -250,12 +273,20 @@ impl<S: Slot> Tables<S> {
     }
 
     /// One table becomes `SHARDS` when the map is to hold `want` keys, past
-    /// `SPLIT_AT`.
+    /// `SPLIT_AT` (the check inline: every insert makes it).
+    #[inline]
     fn split_if(&mut self, want: usize) {
+        if self.tables.len() != SHARDS && (self.tables.is_empty() || want >= SPLIT_AT) {
+            self.split(want);
+        }
+    }
+
+    #[inline(never)]
+    fn split(&mut self, want: usize) {
         if self.tables.is_empty() {
             self.tables.push(Table::default());
         }
-        if self.tables.len() == SHARDS || want < SPLIT_AT {
+        if want < SPLIT_AT {
             return;
         }
         let old = std::mem::take(&mut self.tables).pop().unwrap_or_default();

@@ -29,6 +29,42 @@ fn utf8(bytes: &[u8]) -> Option<&str> {
     std::str::from_utf8(bytes).ok()
 }
 
+/// Whether two short byte strings of one length are equal, in word loads:
+/// the field names are a few to 28 bytes, for which a `memcmp` call costs
+/// more than the compare (it was ~4% of applying a record).
+#[inline]
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
+    #[inline(always)]
+    fn w8(s: &[u8], i: usize) -> u64 {
+        u64::from_le_bytes(s[i..i + 8].try_into().unwrap_or_default())
+    }
+    #[inline(always)]
+    fn w4(s: &[u8], i: usize) -> u32 {
+        u32::from_le_bytes(s[i..i + 4].try_into().unwrap_or_default())
+    }
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    match n {
+        0 => true,
+        // First, middle and last: every byte of up to three.
+        1..=3 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
+        4..=8 => w4(a, 0) == w4(b, 0) && w4(a, n - 4) == w4(b, n - 4),
+        _ => {
+            // Whole words, then the last (overlapping) word.
+            let mut i = 0;
+            while i + 8 < n {
+                if w8(a, i) != w8(b, i) {
+                    return false;
+                }
+                i += 8;
+            }
+            w8(a, n - 8) == w8(b, n - 8)
+        }
+    }
+}
+
 /// What an event's field is to the index.
 #[derive(Clone, Copy)]
 enum Field {
@@ -92,6 +128,30 @@ pub struct Removed<'a> {
     pub group_idx: Option<u32>,
 }
 
+/// The bytes a token id takes by its marker, for the encodings `tokens`
+/// reads inline (fixint, uint8, uint16, uint32); 0: another.
+const ID_LEN: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        t[m] = 1;
+        m += 1;
+    }
+    t[0xcc] = 2;
+    t[0xcd] = 3;
+    t[0xce] = 5;
+    t
+};
+
+/// How far the four bytes after a uint8, uint16 or uint32 marker shift
+/// right to leave the id.
+const ID_SHIFT: [u8; 256] = {
+    let mut t = [0u8; 256];
+    t[0xcc] = 24;
+    t[0xcd] = 16;
+    t
+};
+
 struct Rd<'a, 's> {
     b: &'a [u8],
     spare: &'s mut Spare,
@@ -142,8 +202,17 @@ impl<'a> Rd<'a, '_> {
         Some(self.take(1)?[0])
     }
 
+    #[inline]
     fn be(&mut self, n: usize) -> Option<u64> {
-        Some(self.take(n)?.iter().fold(0u64, |v, &x| v << 8 | u64::from(x)))
+        let b = self.take(n)?;
+        // The widths msgpack uses as one load each, not a byte at a time.
+        Some(match n {
+            1 => u64::from(b[0]),
+            2 => u64::from(u16::from_be_bytes([b[0], b[1]])),
+            4 => u64::from(u32::from_be_bytes([b[0], b[1], b[2], b[3]])),
+            8 => u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
+            _ => b.iter().fold(0u64, |v, &x| v << 8 | u64::from(x)),
+        })
     }
 
     /// A length that each following element needs a byte of at least.
@@ -199,6 +268,14 @@ impl<'a> Rd<'a, '_> {
 
     /// A str's bytes, not yet checked to be UTF-8.
     fn str_bytes(&mut self) -> Option<&'a [u8]> {
+        // A fixstr (every name engines write) in one bounds check.
+        if let Some((&m, rest)) = self.b.split_first() {
+            if m & 0xe0 == 0xa0 {
+                let (s, rest) = rest.split_at_checked(usize::from(m & 0x1f))?;
+                self.b = rest;
+                return Some(s);
+            }
+        }
         let n = match self.byte()? {
             m @ 0xa0..=0xbf => u64::from(m & 0x1f),
             0xd9 => self.be(1)?,
@@ -217,10 +294,24 @@ impl<'a> Rd<'a, '_> {
     /// matched as bytes, from `next` on: engines write them in order), None
     /// for another name, which must still be a str for the Python decoder
     /// to take it (the outer None: it is not).
+    #[inline]
     fn key(&mut self, fields: &[(&[u8], Field)], next: usize) -> Option<Option<usize>> {
+        // Engines write the fields in order: the expected one is compared
+        // in place first, as its fixstr's bytes (inline; the search apart).
+        if let (Some(&(k, _)), Some((&m, rest))) = (fields.get(next), self.b.split_first()) {
+            if k.len() < 32 && usize::from(m) == 0xa0 | k.len() && rest.get(..k.len()).is_some_and(|r| same(r, k)) {
+                self.b = &rest[k.len()..];
+                return Some(Some(next));
+            }
+        }
+        self.search_key(fields, next)
+    }
+
+    #[inline(never)]
+    fn search_key(&mut self, fields: &[(&[u8], Field)], next: usize) -> Option<Option<usize>> {
         let key = self.str_bytes()?;
         // Length and first byte tell every known name apart: one compare.
-        let is = |(k, _): &(&[u8], Field)| k.len() == key.len() && k.first() == key.first() && *k == key;
+        let is = |(k, _): &(&[u8], Field)| k.len() == key.len() && k.first() == key.first() && same(k, key);
         let next = next.min(fields.len());
         let i = fields[next..].iter().position(is).map(|i| i + next).or_else(|| fields[..next].iter().position(is));
         if i.is_none() {
@@ -286,6 +377,11 @@ impl<'a> Rd<'a, '_> {
     /// A block hash: an int of either sign, as an unsigned u64 (digests are
     /// the Python decoder's).
     fn hash(&mut self) -> Option<u64> {
+        // A uint64 or an int64 (the usual 64-bit hashes): its bits as they are.
+        if let Some(&[0xcf | 0xd3, b1, b2, b3, b4, b5, b6, b7, b8]) = self.b.first_chunk::<9>() {
+            self.b = &self.b[9..];
+            return Some(u64::from_be_bytes([b1, b2, b3, b4, b5, b6, b7, b8]));
+        }
         let v = self.int()?;
         if v < 0 {
             return Some(v as i64 as u64);
@@ -318,30 +414,56 @@ impl<'a> Rd<'a, '_> {
         if n == 0 {
             return Some(None);
         }
-        // Written in place, not pushed: a push of 4 bytes is a copy call each.
+        // Written in place, not pushed (a push of 4 bytes is a copy call
+        // each) nor zeroed first (a `memset` call a store).
         let mut out = self.spare.tokens.pop().unwrap_or_default();
         out.clear();
-        out.resize(n * 4, 0);
+        out.reserve(n * 4);
+        let dst = out.spare_capacity_mut().as_mut_ptr().cast::<[u8; 4]>();
         let mut b = self.b;
-        for id in out.chunks_exact_mut(4) {
-            // The encodings of a vocabulary's ids first, inline.
-            let v = match *b {
-                [m @ 0..=0x7f, ref rest @ ..] => {
-                    b = rest;
-                    u32::from(m)
+        let mut k = 0;
+        while k < n {
+            // Four uint16 ids in one window: a vocabulary below 65,536 ids
+            // writes nearly nothing else.
+            while k + 4 <= n {
+                let Some(w) = b.first_chunk::<12>() else { break };
+                if w[0] != 0xcd || w[3] != 0xcd || w[6] != 0xcd || w[9] != 0xcd {
+                    break;
                 }
-                [0xcc, v, ref rest @ ..] => {
-                    b = rest;
-                    u32::from(v)
+                for (j, at) in [1, 4, 7, 10].into_iter().enumerate() {
+                    let v = u32::from(u16::from_be_bytes([w[at], w[at + 1]]));
+                    // SAFETY: `k + j < n` and the buffer has room for `n` ids.
+                    unsafe { dst.add(k + j).write_unaligned(v.to_le_bytes()) };
                 }
-                [0xcd, hi, lo, ref rest @ ..] => {
-                    b = rest;
-                    u32::from(u16::from_be_bytes([hi, lo]))
-                }
-                _ => crate::msgpack_u32(&mut b)?,
-            };
-            id.copy_from_slice(&v.to_le_bytes());
+                b = &b[12..];
+                k += 4;
+            }
+            // Then up to four ids one at a time: the encodings of a
+            // vocabulary's ids inline while a window as long as the longest
+            // is in bounds, anything else (or near the end) the general way.
+            let stop = n.min(k + 4);
+            while k < stop {
+                let v = match b.first_chunk::<5>() {
+                    Some(&[m, b1, b2, b3, b4]) if ID_LEN[usize::from(m)] != 0 => {
+                        b = &b[usize::from(ID_LEN[usize::from(m)])..];
+                        // Branch-free: the four bytes after the marker,
+                        // shifted to the width it gives, or the fixint itself.
+                        let wide = u32::from_be_bytes([b1, b2, b3, b4]) >> ID_SHIFT[usize::from(m)];
+                        if m < 0x80 {
+                            u32::from(m)
+                        } else {
+                            wide
+                        }
+                    }
+                    _ => crate::msgpack_u32(&mut b)?,
+                };
+                // SAFETY: `k < n` and the buffer has room for `n` ids.
+                unsafe { dst.add(k).write_unaligned(v.to_le_bytes()) };
+                k += 1;
+            }
         }
+        // SAFETY: the loops wrote all `n` ids (they return early otherwise).
+        unsafe { out.set_len(n * 4) };
         self.b = b;
         Some(Some(out))
     }
@@ -390,7 +512,9 @@ fn new_stored<'a>() -> Stored<'a> {
     }
 }
 
-/// One `BlockStored` field.
+/// One `BlockStored` field (inline: a call a field cost a register save
+/// and restore each).
+#[inline(always)]
 fn stored_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Stored<'a>, field: Field) -> Option<()> {
     match field {
         Field::Hashes => ev.hashes = rd.hashes()?,
@@ -415,6 +539,7 @@ fn stored_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Stored<'a>, field: Field) -> O
     Some(())
 }
 
+#[inline(always)]
 fn removed_field<'a>(rd: &mut Rd<'a, '_>, ev: &mut Removed<'a>, field: Field) -> Option<()> {
     match field {
         Field::Hashes => ev.hashes = rd.hashes()?,
@@ -490,16 +615,33 @@ fn push_removed<'a, 'e>(events: &'e mut Vec<Event<'a>>) -> &'e mut Removed<'a> {
     }
 }
 
+#[derive(Clone, Copy)]
+enum Tag {
+    Stored,
+    Removed,
+}
+
+/// The event an engine tag names, compared in word loads (`same`).
+fn tag(name: &[u8]) -> Option<Tag> {
+    if same(name, b"BlockStored") {
+        Some(Tag::Stored)
+    } else if same(name, b"BlockRemoved") {
+        Some(Tag::Removed)
+    } else {
+        None
+    }
+}
+
 fn map_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()> {
     let n = rd.map_len()?;
     // The tag first: how every engine writes it.
-    if n == 0 || rd.str_bytes()? != b"type" {
+    if n == 0 || !same(rd.str_bytes()?, b"type") {
         return None;
     }
     let mut seen = 0u32;
     // The hashes are the first field of both.
-    match rd.str_bytes()? {
-        b"BlockStored" => {
+    match tag(rd.str_bytes()?) {
+        Some(Tag::Stored) => {
             let ev = push_stored(events);
             once(&mut seen, STORED_TYPE)?;
             let mut next = 0;
@@ -514,7 +656,7 @@ fn map_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<()>
                 }
             }
         }
-        b"BlockRemoved" => {
+        Some(Tag::Removed) => {
             let ev = push_removed(events);
             once(&mut seen, REMOVED_TYPE)?;
             let mut next = 0;
@@ -539,8 +681,8 @@ fn array_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<(
     if n < 2 {
         return None; // no hashes, or AllBlocksCleared
     }
-    match rd.str_bytes()? {
-        b"BlockStored" if n <= 1 + STORED_POSITIONS => {
+    match tag(rd.str_bytes()?) {
+        Some(Tag::Stored) if n <= 1 + STORED_POSITIONS => {
             let ev = push_stored(events);
             for &(_, field) in &STORED_FIELDS[..n - 1] {
                 // Index 7 may be SGLang's metadata map: the Python decoder's.
@@ -548,7 +690,7 @@ fn array_event<'a>(rd: &mut Rd<'a, '_>, events: &mut Vec<Event<'a>>) -> Option<(
             }
             Some(())
         }
-        b"BlockRemoved" if n <= 1 + REMOVED_POSITIONS => {
+        Some(Tag::Removed) if n <= 1 + REMOVED_POSITIONS => {
             let ev = push_removed(events);
             for &(_, field) in &REMOVED_FIELDS[..n - 1] {
                 removed_field(rd, ev, field)?;
@@ -688,6 +830,146 @@ mod tests {
         let b = decode(&payload).expect("in the subset");
         let Event::Removed(r) = &b.events[0] else { panic!("a removal") };
         assert_eq!(r.hashes, vec![u64::MAX, u64::MAX - 1]);
+    }
+
+    #[test]
+    fn reads_runs_of_uint16_ids_mixed_with_others() {
+        // Sequences mostly of uint16 ids, with other encodings anywhere in
+        // them (the four-at-a-time window must start and stop everywhere).
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for len in 0..40usize {
+            for _ in 0..20 {
+                let mut enc = Vec::new();
+                let mut want = Vec::new();
+                for _ in 0..len {
+                    let r = next();
+                    let v = match r % 8 {
+                        0 => (r >> 8) as u32 & 0x7f,
+                        1 => 0x80 | ((r >> 8) as u32 & 0x7f),
+                        2 => (r >> 8) as u32 | 0x1_0000,
+                        _ => 0x100 + ((r >> 8) as u32 % 0xff00),
+                    };
+                    match v {
+                        0..=0x7f => enc.push(v as u8),
+                        0x80..=0xff => enc.extend_from_slice(&[0xcc, v as u8]),
+                        0x100..=0xffff => {
+                            enc.push(0xcd);
+                            enc.extend_from_slice(&(v as u16).to_be_bytes());
+                        }
+                        _ => {
+                            enc.push(0xce);
+                            enc.extend_from_slice(&v.to_be_bytes());
+                        }
+                    }
+                    want.extend_from_slice(&v.to_le_bytes());
+                }
+                let mut e = vec![0x83];
+                str_(&mut e, "type");
+                str_(&mut e, "BlockStored");
+                str_(&mut e, "block_hashes");
+                e.extend_from_slice(&[0x91, 0x07]);
+                str_(&mut e, "token_ids");
+                e.extend_from_slice(&[0xdc, 0, len as u8]);
+                e.extend_from_slice(&enc);
+                // With and without bytes after the ids (the rank).
+                for rank in [None, Some(3)] {
+                    let p = batch(&[e.clone()], rank);
+                    let b = decode(&p).expect("in the subset");
+                    let Event::Stored(s) = &b.events[0] else { panic!("a store") };
+                    assert_eq!(s.tokens.as_deref().unwrap_or_default(), &want[..]);
+                }
+                if !enc.is_empty() {
+                    let p = batch(&[e.clone()], None);
+                    assert!(decode(&p[..p.len() - 1]).is_none());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reads_hashes_and_keys_in_any_encoding() {
+        // Hashes as uint64, a positive int64, uint8 and a fixint; the key
+        // as a str8 and the removal's fields out of order.
+        let mut e = vec![0x83];
+        str_(&mut e, "type");
+        str_(&mut e, "BlockRemoved");
+        e.extend_from_slice(&[0xd9, 6]);
+        e.extend_from_slice(b"medium");
+        str_(&mut e, "GPU");
+        str_(&mut e, "block_hashes");
+        e.extend_from_slice(&[0x94, 0xcf]);
+        e.extend_from_slice(&u64::MAX.to_be_bytes());
+        e.push(0xd3);
+        e.extend_from_slice(&5i64.to_be_bytes());
+        e.extend_from_slice(&[0xcc, 200, 0x07]);
+        let payload = batch(&[e], None);
+        let b = decode(&payload).expect("in the subset");
+        let Event::Removed(r) = &b.events[0] else { panic!("a removal") };
+        assert_eq!(r.hashes, vec![u64::MAX, 5, 200, 7]);
+        assert_eq!(r.medium, Some("GPU"));
+        for cut in 1..12 {
+            assert!(decode(&payload[..payload.len() - cut]).is_none());
+        }
+    }
+
+    #[test]
+    fn same_compares_every_length() {
+        let names: Vec<Vec<u8>> = (0..40).map(|n| (0..n).map(|i| b'a' + (i % 26) as u8).collect()).collect();
+        for a in &names {
+            for b in &names {
+                assert_eq!(same(a, b), a == b);
+            }
+            // One byte changed anywhere.
+            for i in 0..a.len() {
+                let mut c = a.clone();
+                c[i] ^= 1;
+                assert!(!same(a, &c), "{a:?} at {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn reads_every_token_encoding_up_to_the_payload_end() {
+        // Fixint, uint8, uint16, uint32, int8/int16 (positive) and int64,
+        // last in the payload so that the final ones have no five-byte window.
+        let ids: [(u32, &[u8]); 8] = [
+            (5, &[0x05]),
+            (200, &[0xcc, 200]),
+            (40_000, &[0xcd, 0x9c, 0x40]),
+            (70_000, &[0xce, 0x00, 0x01, 0x11, 0x70]),
+            (7, &[0xd0, 0x07]),
+            (300, &[0xd1, 0x01, 0x2c]),
+            (9, &[0xd3, 0, 0, 0, 0, 0, 0, 0, 9]),
+            (u32::MAX, &[0xce, 0xff, 0xff, 0xff, 0xff]),
+        ];
+        for rot in 0..ids.len() {
+            let order: Vec<_> = ids.iter().cycle().skip(rot).take(ids.len()).collect();
+            let mut e = vec![0x83];
+            str_(&mut e, "type");
+            str_(&mut e, "BlockStored");
+            str_(&mut e, "block_hashes");
+            e.extend_from_slice(&[0x91, 0x07]);
+            str_(&mut e, "token_ids");
+            e.push(0x90 | order.len() as u8);
+            for (_, enc) in &order {
+                e.extend_from_slice(enc);
+            }
+            let p = batch(&[e], None);
+            let b = decode(&p).expect("in the subset");
+            let Event::Stored(s) = &b.events[0] else { panic!("a store") };
+            let want: Vec<u8> = order.iter().flat_map(|(v, _)| v.to_le_bytes()).collect();
+            assert_eq!(s.tokens.as_deref(), Some(&want[..]));
+            // Cut short anywhere in the ids: not in the subset.
+            for cut in 1..order.iter().map(|(_, enc)| enc.len()).sum::<usize>() {
+                assert!(decode(&p[..p.len() - cut]).is_none());
+            }
+        }
     }
 
     #[test]

@@ -293,7 +293,11 @@ impl Stage<'_, '_> {
             None | Some(0) => true,
             Some(s) => s == ctx.block_size as i128,
         };
-        let kind_ok = ev.kind.is_none() || ev.kind == ctx.kind0.as_deref();
+        let kind_ok = match (ev.kind, ctx.kind0.as_deref()) {
+            (None, _) => true,
+            (Some(kind), Some(kind0)) => engine_wire::same(kind.as_bytes(), kind0.as_bytes()),
+            (Some(_), None) => false,
+        };
         let plain = match ev.extra {
             Extra::None => true,
             Extra::Plain(k) => k == n,
@@ -375,7 +379,11 @@ impl Stage<'_, '_> {
 
 impl EngineLane {
     fn tier(&mut self, py: Python<'_>, medium: Option<&str>) -> PyResult<Option<usize>> {
-        if let Some((_, t)) = self.mediums.iter().find(|(m, _)| m.as_deref() == medium) {
+        let is = |m: &Option<String>| match (m, medium) {
+            (Some(m), Some(medium)) => engine_wire::same(m.as_bytes(), medium.as_bytes()),
+            (m, medium) => m.is_none() && medium.is_none(),
+        };
+        if let Some((_, t)) = self.mediums.iter().find(|(m, _)| is(m)) {
             return Ok(*t);
         }
         let t: Option<usize> = self.engine_tier.call1(py, (medium,))?.extract(py)?;
@@ -426,6 +434,20 @@ impl EngineLane {
             }
             Some(Waits { waiting, children, unresolved })
         };
+        for (ev, &tier) in events.iter().zip(tiers) {
+            let hashes = match ev {
+                Event::Stored(s) => {
+                    if let Some(p) = s.parent {
+                        owner.prefetch(tier, p);
+                    }
+                    &s.hashes
+                }
+                Event::Removed(r) => &r.hashes,
+            };
+            for &h in hashes {
+                owner.prefetch(tier, h);
+            }
+        }
         let changes = &mut self.changes;
         changes.clear();
         let mut stage = Stage { owner: &mut owner, ctx, changes, busy };
@@ -442,6 +464,13 @@ impl EngineLane {
         }
         if rec.now > *now {
             *now = rec.now;
+        }
+        // The removed blocks' mask lines, by the content the catalog (in
+        // cache since the prefetch above) names, all asked for together.
+        for c in changes.list.iter().filter(|c| !c.stored) {
+            if let Some(ident) = owner.content(c.seq) {
+                owner.prefetch_mask(usize::from(c.tier), ident);
+            }
         }
         let mut done = 0;
         let mut from = 0;
@@ -472,6 +501,9 @@ impl EngineLane {
                         }
                         // The catalog's, as placing with no identities takes them.
                         None => idents.extend(s.hashes.iter().map(|&h| owner.content(h).expect("held content"))),
+                    }
+                    for ch in made {
+                        owner.prefetch_mask(tier, idents[ch.at as usize]);
                     }
                     for ch in made {
                         let conflict = owner.acquire(tier, ch.seq, idents[ch.at as usize])?;

@@ -39,6 +39,12 @@ impl SeqSet {
         self.table.len != 0 && self.table.find(key, self.hasher.hash_one(key)).1
     }
 
+    /// Asks for `key`'s cache line ahead of an insert, removal or lookup.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        self.table.prefetch(self.hasher.hash_one(key));
+    }
+
     /// Whether `key` was not there.
     pub fn insert(&mut self, key: u64) -> bool {
         if key == 0 {

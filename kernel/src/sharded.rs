@@ -91,6 +91,12 @@ impl<V: Vacant> ShardedMap<V> {
         (&mut slot.1, !found)
     }
 
+    /// Asks for `key`'s cache line ahead of a probe.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        self.slots.prefetch(key);
+    }
+
     pub fn remove(&mut self, key: &u64) -> Option<V> {
         self.slots.remove(*key).map(|s| s.1)
     }

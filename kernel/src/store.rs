@@ -627,9 +627,18 @@ struct Frozen {
 }
 
 impl Frozen {
-    /// Before `held` (an owner's tier) changes or goes.
+    /// Before `held` (an owner's tier) changes or goes (inline: the lane
+    /// calls it for every hash, and no cut is open nearly always).
+    #[inline]
     fn keep_tier(&mut self, slot: usize, tier: usize, held: &SeqSet) {
-        if !self.tiers.is_empty() && self.tiers.remove(&(slot, tier)) {
+        if !self.tiers.is_empty() {
+            self.keep_frozen_tier(slot, tier, held);
+        }
+    }
+
+    #[inline(never)]
+    fn keep_frozen_tier(&mut self, slot: usize, tier: usize, held: &SeqSet) {
+        if self.tiers.remove(&(slot, tier)) {
             self.kept_tiers.insert((slot, tier), held.iter().copied().collect());
         }
     }
@@ -920,6 +929,21 @@ impl LaneOwner<'_> {
 
     pub(crate) fn content(&self, seq: u64) -> Option<u64> {
         self.cat.ident(seq)
+    }
+
+    /// Asks for the cache lines of `seq` in the tier and the catalog: at
+    /// hundreds of thousands of blocks each probe is likely a miss, and a
+    /// record's hashes asked for together overlap them.
+    #[inline]
+    pub(crate) fn prefetch(&self, tier: usize, seq: u64) {
+        self.tiers[tier].prefetch(seq);
+        self.cat.map.prefetch(seq);
+    }
+
+    /// Asks for the cache line of content `ident` in the tier's masks.
+    #[inline]
+    pub(crate) fn prefetch_mask(&self, tier: usize, ident: u64) {
+        self.masks[tier].prefetch(ident);
     }
 
     /// The content of `seq` when some tier or pool holds it (held content
