@@ -336,7 +336,7 @@ async def run_consumer(
         **kafka_fetch_options(cfg),
     )
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
-    fetcher = native_fetcher(consumer, cfg) if cfg.fetch_path == "native" else None
+    fetcher = native_fetcher(consumer, cfg) if cfg.native_fetch else None
     await consumer.start()
     await producer.start()
     events = EventConsumer(

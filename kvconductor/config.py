@@ -46,7 +46,7 @@ SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "console"]
 TopicCheck = Literal["warn", "error"]
-FetchPath = Literal["aiokafka", "native"]
+FetchPath = Literal["auto", "aiokafka", "native"]
 
 
 class ConfigError(ValueError):
@@ -137,11 +137,17 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     fetch_min_bytes: int = 1
     fetch_max_wait_ms: int = 100
     # Who fetches the event topics: aiokafka's fetcher, or the daemon's own
-    # requests read by the compiled kernel (consumers/fetcher.py).
-    fetch_path: FetchPath = "aiokafka"
+    # requests read by the compiled kernel (consumers/fetcher.py); auto:
+    # the daemon's own wherever the kernel is loaded.
+    fetch_path: FetchPath = "auto"
     # Scale-out: several daemons in one group share the work by namespace.
     repartition: bool = False
     repartition_topic: str = "kv-index-input"
+
+    @property
+    def native_fetch(self) -> bool:
+        """Whether the daemon fetches the event topics itself (`fetch_path`)."""
+        return self.fetch_path == "native" or (self.fetch_path == "auto" and KERNEL is not None)
 
 
 # 16 MiB: a JSON array of token ids costs at most 11 bytes a token (10 digits

@@ -217,6 +217,8 @@ def test_every_key_is_settable_from_env(tmp_path: Path) -> None:
             raw, want = str(secret_file), str(secret_file)
         elif info.key == "security_protocol":
             raw = want = "SSL"
+        elif info.key == "fetch_path":  # every build takes it (native needs the kernel)
+            raw = want = "aiokafka"
         elif "|" in info.type:
             choices = [c.strip() for c in info.type.split("|")]
             raw = want = next(c for c in reversed(choices) if c != info.default)
@@ -530,3 +532,23 @@ def test_doc_lists_exactly_the_keys_of_the_code() -> None:
     ]
     assert sorted(documented) == sorted(expected)
     assert len(documented) == len(set(documented))
+
+
+@pytest.mark.parametrize(
+    ("fetch_path", "kernel", "native"),
+    [
+        ("auto", True, True),
+        ("auto", False, False),
+        ("native", True, True),
+        ("aiokafka", True, False),
+        ("aiokafka", False, False),
+    ],
+)
+def test_the_fetch_path_auto_is_the_daemons_own_where_the_kernel_is_loaded(
+    monkeypatch: pytest.MonkeyPatch, fetch_path: str, kernel: bool, native: bool
+) -> None:
+    import kvconductor.config as config
+
+    monkeypatch.setattr(config, "KERNEL", object() if kernel else None)
+    assert config.KafkaConfig().fetch_path == "auto"
+    assert config.KafkaConfig(fetch_path=fetch_path).native_fetch is native  # type: ignore[arg-type]

@@ -478,7 +478,9 @@ class Daemon:
                 **opts,
                 **kafka_group_options(k),
             )
-            fetcher = native_fetcher(consumer, k) if k.fetch_path == "native" else None
+            fetcher = native_fetcher(consumer, k) if k.native_fetch else None
+            # `fetch_path = "auto"` leaves the choice to the build: say it.
+            log.info("event fetch path", fetch_path="native" if fetcher else "aiokafka")
             # The broker answered the admin client moments ago: a consumer
             # that fails to start now is a real error, not an outage.
             self.events = EventConsumer(
