@@ -869,14 +869,7 @@ mod tests {
                     }
                     want.extend_from_slice(&v.to_le_bytes());
                 }
-                let mut e = vec![0x83];
-                str_(&mut e, "type");
-                str_(&mut e, "BlockStored");
-                str_(&mut e, "block_hashes");
-                e.extend_from_slice(&[0x91, 0x07]);
-                str_(&mut e, "token_ids");
-                e.extend_from_slice(&[0xdc, 0, len as u8]);
-                e.extend_from_slice(&enc);
+                let e = stored_with_tokens(&[0xdc, 0, len as u8], &enc);
                 // With and without bytes after the ids (the rank).
                 for rank in [None, Some(3)] {
                     let p = batch(&[e.clone()], rank);
@@ -890,6 +883,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A `BlockStored` of block hash 7 whose `token_ids` are the array
+    /// header `head` then the encoded ids `ids`.
+    fn stored_with_tokens(head: &[u8], ids: &[u8]) -> Vec<u8> {
+        let mut e = vec![0x83];
+        str_(&mut e, "type");
+        str_(&mut e, "BlockStored");
+        str_(&mut e, "block_hashes");
+        e.extend_from_slice(&[0x91, 0x07]);
+        str_(&mut e, "token_ids");
+        e.extend_from_slice(head);
+        e.extend_from_slice(ids);
+        e
     }
 
     #[test]
@@ -950,16 +957,8 @@ mod tests {
         ];
         for rot in 0..ids.len() {
             let order: Vec<_> = ids.iter().cycle().skip(rot).take(ids.len()).collect();
-            let mut e = vec![0x83];
-            str_(&mut e, "type");
-            str_(&mut e, "BlockStored");
-            str_(&mut e, "block_hashes");
-            e.extend_from_slice(&[0x91, 0x07]);
-            str_(&mut e, "token_ids");
-            e.push(0x90 | order.len() as u8);
-            for (_, enc) in &order {
-                e.extend_from_slice(enc);
-            }
+            let enc: Vec<u8> = order.iter().flat_map(|(_, enc)| enc.iter().copied()).collect();
+            let e = stored_with_tokens(&[0x90 | order.len() as u8], &enc);
             let p = batch(&[e], None);
             let b = decode(&p).expect("in the subset");
             let Event::Stored(s) = &b.events[0] else { panic!("a store") };
