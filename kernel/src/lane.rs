@@ -26,6 +26,16 @@
 //! instance's contexts whenever it applies one of its records itself, and
 //! all of them when the index changes another way. The namespace's pending
 //! halves are read live: the lane never adds to them, everything else may.
+//!
+//! `run_free` is `run` on another thread than the event loop's: it reads
+//! its records with the GIL, then releases it to decode and apply them,
+//! each store locked for one record at a time (`store::BlockStore` is a
+//! lock around its blocks), so a query on the event loop waits for one
+//! record at most. Whatever needs the GIL (a medium not seen yet, pending
+//! halves in the namespace, read before it releases the GIL) ends the run
+//! there (`GIL`) for `run` to apply that record. It never holds the GIL and
+//! a store's lock together: the event loop's thread takes a store's lock
+//! with the GIL held.
 
 use hashbrown::HashMap;
 use pyo3::prelude::*;
@@ -33,7 +43,7 @@ use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::engine_wire::{self, Event, Extra, Stored};
-use crate::store::{BlockStore, LaneOwner};
+use crate::store::{BlockStore, LaneOwner, Store};
 
 const DEVICE: usize = 0;
 const TIERS: usize = 3;
@@ -43,6 +53,9 @@ const TIERS: usize = 3;
 const DONE: u8 = 0;
 const NEED_CONTEXT: u8 = 1;
 const PYTHON: u8 = 2;
+/// `run_free` only: record `stop` needs the GIL (a medium not seen yet,
+/// pending halves in its namespace): `run` applies it.
+const GIL: u8 = 3;
 
 /// Mediums whose tier is remembered (as `media.engine_tier` caches them).
 const MAX_MEDIUMS: usize = 16;
@@ -70,6 +83,10 @@ struct Ctx {
     /// Tiers stored to since the last `run` returned, a bit each.
     stored: u8,
     touched: bool,
+    /// The store's clock after the context's last record.
+    store_now: f64,
+    /// `run_free`: the namespace had pending halves when it began.
+    busy: bool,
 }
 
 struct Inst {
@@ -115,13 +132,38 @@ pub struct EngineLane {
     /// The signature and instance of the record `run` last stopped at for a context.
     miss: Option<(Vec<u8>, Vec<u8>)>,
     sig: Vec<u8>,
-    changes: Changes,
     spare: engine_wire::Spare,
+    /// A record's event tiers.
+    tiers: Vec<usize>,
+    work: Work,
+    touched: Vec<usize>,
+    gaps: Vec<(usize, usize, u64)>,
+}
+
+/// A record's scratch space and the counters it moves, apart from the
+/// contexts: applying borrows one context and these together.
+#[derive(Default)]
+struct Work {
+    changes: Changes,
     /// A store's identities, computed as it is applied.
     idents: Vec<u64>,
-    touched: Vec<usize>,
     counters: [u64; 5],
-    gaps: Vec<(usize, usize, u64)>,
+}
+
+/// What a record applied: blocks, blocks per tier, tiers stored to (a bit each).
+struct Applied {
+    blocks: usize,
+    per_tier: [u64; TIERS],
+    stored: u8,
+}
+
+/// How `step` left a record.
+enum Step {
+    Applied,
+    /// No context: the payload's dp rank.
+    NeedContext(Option<u64>),
+    Python,
+    Gil,
 }
 
 /// `records._int` for `kv-seq`, on the values engines write: ASCII digits.
@@ -377,63 +419,55 @@ impl Stage<'_, '_> {
     }
 }
 
-impl EngineLane {
-    fn tier(&mut self, py: Python<'_>, medium: Option<&str>) -> PyResult<Option<usize>> {
-        let is = |m: &Option<String>| match (m, medium) {
-            (Some(m), Some(medium)) => engine_wire::same(m.as_bytes(), medium.as_bytes()),
-            (m, medium) => m.is_none() && medium.is_none(),
-        };
-        if let Some((_, t)) = self.mediums.iter().find(|(m, _)| is(m)) {
-            return Ok(*t);
-        }
-        let t: Option<usize> = self.engine_tier.call1(py, (medium,))?.extract(py)?;
-        if self.mediums.len() < MAX_MEDIUMS {
-            self.mediums.push((medium.map(str::to_owned), t));
-        }
-        Ok(t)
+/// With pending halves in the context's namespace, what they wait for;
+/// None: the namespace would expire one before the record's stores
+/// (`NamespaceIndex.expire`), the Python path's.
+fn waits<'a, 'py>(
+    py: Python<'py>,
+    ctx: &'a Ctx,
+    rec_now: f64,
+    now: f64,
+    store_now: f64,
+    events: &[Event<'_>],
+) -> PyResult<Option<Option<Waits<'a, 'py>>>> {
+    let pending = ctx.pending.bind(py);
+    if pending.is_empty() {
+        return Ok(Some(None));
     }
+    let index_now = if rec_now > now { rec_now } else { now };
+    let ns_now = if index_now > store_now { index_now } else { store_now };
+    let oldest = pending.as_any().try_iter()?.next().transpose()?;
+    if let Some(key) = oldest {
+        let ts: f64 = pending.as_any().get_item(key)?.extract()?;
+        let stores = events.iter().any(|e| matches!(e, Event::Stored(_)));
+        // `PendingQueue.expire` keeps the head while `ts >= cutoff`
+        // (so a NaN clock expires it).
+        let kept = ts.partial_cmp(&(ns_now - ctx.max_pending_age)).is_some_and(|o| o.is_ge());
+        if stores && !kept {
+            return Ok(None);
+        }
+    }
+    Ok(Some(Some(Waits { waiting: ctx.waiting.bind(py), children: ctx.children.bind(py), unresolved: ctx.unresolved.bind(py) })))
+}
 
-    /// Applies one decoded record whole; None: nothing was applied. Its
-    /// events change the owner's tier sets first, each checked as it goes
-    /// (undone at the first the Python path must apply); then the catalog
-    /// and masks follow the changes, event by event.
+impl Work {
+    /// Applies one decoded record whole to its context's owner in `st`;
+    /// None: nothing was applied. Its events change the owner's tier sets
+    /// first, each checked as it goes (undone at the first the Python path
+    /// must apply); then the catalog and masks follow the changes, event
+    /// by event.
+    #[allow(clippy::too_many_arguments)]
     fn apply(
         &mut self,
-        py: Python<'_>,
-        c: usize,
+        ctx: &Ctx,
+        st: &mut Store,
+        busy: Option<Waits<'_, '_>>,
         rec: &Rec<'_>,
         events: &[Event<'_>],
         tiers: &[usize],
         now: &mut f64,
-    ) -> PyResult<Option<usize>> {
-        let ctx = self.ctxs[c].as_mut().expect("a live context");
-        let store = ctx.store.bind(py);
-        let mut st = store.borrow_mut();
-        let store_now = st.now();
+    ) -> PyResult<Option<Applied>> {
         let Some(mut owner) = st.lane_owner(ctx.slot) else { return Ok(None) };
-        let pending = ctx.pending.bind(py);
-        let (waiting, children, unresolved) =
-            (ctx.waiting.bind(py), ctx.children.bind(py), ctx.unresolved.bind(py));
-        let busy = if pending.is_empty() {
-            None
-        } else {
-            // A store's namespace expires its pending halves first
-            // (`NamespaceIndex.expire`): one that would go is the Python path's.
-            let index_now = if rec.now > *now { rec.now } else { *now };
-            let ns_now = if index_now > store_now { index_now } else { store_now };
-            let oldest = pending.as_any().try_iter()?.next().transpose()?;
-            if let Some(key) = oldest {
-                let ts: f64 = pending.as_any().get_item(key)?.extract()?;
-                let stores = events.iter().any(|e| matches!(e, Event::Stored(_)));
-                // `PendingQueue.expire` keeps the head while `ts >= cutoff`
-                // (so a NaN clock expires it).
-                let kept = ts.partial_cmp(&(ns_now - ctx.max_pending_age)).is_some_and(|o| o.is_ge());
-                if stores && !kept {
-                    return Ok(None);
-                }
-            }
-            Some(Waits { waiting, children, unresolved })
-        };
         for (ev, &tier) in events.iter().zip(tiers) {
             let hashes = match ev {
                 Event::Stored(s) => {
@@ -472,7 +506,7 @@ impl EngineLane {
                 owner.prefetch_mask(usize::from(c.tier), ident);
             }
         }
-        let mut done = 0;
+        let mut out = Applied { blocks: 0, per_tier: [0; TIERS], stored: 0 };
         let mut from = 0;
         let idents = &mut self.idents;
         for ((ev, &tier), &to) in events.iter().zip(tiers).zip(&changes.ends) {
@@ -481,7 +515,7 @@ impl EngineLane {
             match ev {
                 Event::Stored(s) => {
                     owner.touch_expire(*now);
-                    ctx.stored |= 1 << tier;
+                    out.stored |= 1 << tier;
                     if made.is_empty() {
                         continue; // a re-announcement
                     }
@@ -509,25 +543,102 @@ impl EngineLane {
                         let conflict = owner.acquire(tier, ch.seq, idents[ch.at as usize])?;
                         self.counters[HASH_CONFLICTS] += u64::from(conflict);
                     }
-                    ctx.applied[tier] += made.len() as u64;
-                    done += made.len();
+                    out.per_tier[tier] += made.len() as u64;
+                    out.blocks += made.len();
                 }
                 Event::Removed(r) => {
                     for ch in made {
                         owner.release(tier, ch.seq)?;
                     }
                     self.counters[REMOVAL_UNKNOWN] += (r.hashes.len() - made.len()) as u64;
-                    done += made.len();
+                    out.blocks += made.len();
                 }
             }
         }
+        Ok(Some(out))
+    }
+}
+
+impl EngineLane {
+    /// The tier of `medium` as `media.engine_tier` answered it, asked
+    /// with the GIL (`py`) the first time; Err(()) without it: not known yet.
+    fn tier(&mut self, py: Option<Python<'_>>, medium: Option<&str>) -> PyResult<Result<Option<usize>, ()>> {
+        let is = |m: &Option<String>| match (m, medium) {
+            (Some(m), Some(medium)) => engine_wire::same(m.as_bytes(), medium.as_bytes()),
+            (m, medium) => m.is_none() && medium.is_none(),
+        };
+        if let Some((_, t)) = self.mediums.iter().find(|(m, _)| is(m)) {
+            return Ok(Ok(*t));
+        }
+        let Some(py) = py else { return Ok(Err(())) };
+        let t: Option<usize> = self.engine_tier.call1(py, (medium,))?.extract(py)?;
+        if self.mediums.len() < MAX_MEDIUMS {
+            self.mediums.push((medium.map(str::to_owned), t));
+        }
+        Ok(Ok(t))
+    }
+
+    /// Decodes and applies record `i` (`rec`, its signature so far in
+    /// `sig`) whole, or says who must. `py`: None with the GIL released,
+    /// when whatever needs it is left to `run` (`Step::Gil`).
+    fn step(&mut self, py: Option<Python<'_>>, i: usize, rec: &Rec<'_>, sig: &mut Vec<u8>, now: &mut f64) -> PyResult<Step> {
+        let Some(batch) = engine_wire::decode_with(rec.payload, &mut self.spare) else { return Ok(Step::Python) };
+        match batch.dp_rank {
+            Some(r) => {
+                sig.push(1);
+                sig.extend_from_slice(&r.to_le_bytes());
+            }
+            None => sig.push(0),
+        }
+        let Some(&c) = self.by_sig.get(sig.as_slice()) else {
+            self.miss = Some((sig.clone(), rec.key.to_vec()));
+            return Ok(Step::NeedContext(batch.dp_rank));
+        };
+        self.tiers.clear();
+        for ev in &batch.events {
+            let medium = match ev {
+                Event::Stored(s) => s.medium,
+                Event::Removed(r) => r.medium,
+            };
+            match self.tier(py, medium)? {
+                Ok(Some(t)) if t < TIERS => self.tiers.push(t),
+                Ok(_) => return Ok(Step::Python),
+                Err(()) => return Ok(Step::Gil),
+            }
+        }
+        let ctx = self.ctxs[c].as_ref().expect("a live context");
+        let mut st = ctx.store.get().lock();
+        let busy = match py {
+            Some(py) => match waits(py, ctx, rec.now, *now, st.now(), &batch.events)? {
+                Some(w) => w,
+                None => return Ok(Step::Python),
+            },
+            None if ctx.busy => return Ok(Step::Gil),
+            None => None,
+        };
+        let Some(applied) = self.work.apply(ctx, &mut st, busy, rec, &batch.events, &self.tiers, now)? else {
+            return Ok(Step::Python);
+        };
+        let store_now = st.now();
+        drop(st);
+        self.spare.recycle(batch);
+        let ctx = self.ctxs[c].as_mut().expect("a live context");
+        for (total, n) in ctx.applied.iter_mut().zip(applied.per_tier) {
+            *total += n;
+        }
+        ctx.stored |= applied.stored;
+        ctx.store_now = store_now;
+        let rank = ctx.rank;
         if !ctx.touched {
             ctx.touched = true;
             self.touched.push(c);
         }
-        Ok(Some(done))
+        let missing = self.check_seq(rec.key, rank, rec.seq, *now);
+        if missing != 0 {
+            self.gaps.push((i, applied.blocks, missing));
+        }
+        Ok(Step::Applied)
     }
-
     /// `Index.check_seq`; returns how many messages were skipped.
     fn check_seq(&mut self, instance: &[u8], rank: u32, seq: Option<u64>, now: f64) -> u64 {
         let inst = self.insts.get_mut(instance).expect("a context's instance");
@@ -544,11 +655,11 @@ impl EngineLane {
             0
         } else if seq > next {
             let missing = (seq - next) as u64;
-            self.counters[SEQ_GAPS] += 1;
-            self.counters[SEQ_MISSING] += missing;
+            self.work.counters[SEQ_GAPS] += 1;
+            self.work.counters[SEQ_MISSING] += missing;
             missing
         } else {
-            self.counters[SEQ_REGRESSIONS] += 1;
+            self.work.counters[SEQ_REGRESSIONS] += 1;
             0
         }
     }
@@ -563,15 +674,14 @@ impl EngineLane {
     fn output(&mut self, py: Python<'_>, stop: usize, code: u8, rank: Option<u64>, now: f64) -> RunOut {
         let counters = COUNTER_NAMES
             .iter()
-            .zip(std::mem::take(&mut self.counters))
+            .zip(std::mem::take(&mut self.work.counters))
             .filter(|(_, v)| *v != 0)
             .map(|(&k, v)| (k, v))
             .collect();
         let mut ctxs = Vec::with_capacity(self.touched.len());
         for c in std::mem::take(&mut self.touched) {
             if let Some(ctx) = self.ctxs[c].as_mut() {
-                let now = ctx.store.bind(py).borrow().now();
-                ctxs.push((ctx.id, std::mem::take(&mut ctx.applied), std::mem::take(&mut ctx.stored), now));
+                ctxs.push((ctx.id, std::mem::take(&mut ctx.applied), std::mem::take(&mut ctx.stored), ctx.store_now));
                 ctx.touched = false;
             }
         }
@@ -608,75 +718,85 @@ impl EngineLane {
             insts: HashMap::new(),
             miss: None,
             sig: Vec::new(),
-            changes: Changes::default(),
             spare: engine_wire::Spare::default(),
-            idents: Vec::new(),
+            tiers: Vec::new(),
+            work: Work::default(),
             touched: Vec::new(),
-            counters: [0; 5],
             gaps: Vec::new(),
         }
     }
 
-    /// Applies `records[start..]` (`core.Incoming`s) until one it cannot,
-    /// with `now` the index's clock. Returns (stop, code, the payload's dp
-    /// rank at a `NEED_CONTEXT` stop, the clock, counters moved, kv-seq gaps
-    /// as (record, blocks, missing), per context touched (id, blocks
-    /// applied per tier, tiers stored to, its store's clock), per instance
-    /// touched (name, last event time, (rank, last kv-seq) changed)).
-    fn run(&mut self, py: Python<'_>, records: &Bound<'_, PyList>, start: usize, now: f64) -> PyResult<RunOut> {
+    /// Applies `records[start..end]` (`core.Incoming`s; `end`: all of
+    /// them) until one it cannot, with `now` the index's clock. Returns
+    /// (stop, code, the payload's dp rank at a `NEED_CONTEXT` stop, the
+    /// clock, counters moved, kv-seq gaps as (record, blocks, missing), per
+    /// context touched (id, blocks applied per tier, tiers stored to, its
+    /// store's clock), per instance touched (name, last event time, (rank,
+    /// last kv-seq) changed)).
+    #[pyo3(signature = (records, start, now, end=None))]
+    fn run(&mut self, py: Python<'_>, records: &Bound<'_, PyList>, start: usize, now: f64, end: Option<usize>) -> PyResult<RunOut> {
         let mut now = now;
         let mut sig = std::mem::take(&mut self.sig);
-        let mut tiers: Vec<usize> = Vec::new();
+        let end = end.map_or(records.len(), |e| e.min(records.len()));
         let mut i = start;
         let result = loop {
-            if i >= records.len() {
+            if i >= end {
                 break (i, DONE, None);
             }
             let item = records.get_item(i)?;
             let Some(rec) = read_record(&item, &mut sig)? else { break (i, PYTHON, None) };
-            let Some(batch) = engine_wire::decode_with(rec.payload, &mut self.spare) else { break (i, PYTHON, None) };
-            match batch.dp_rank {
-                Some(r) => {
-                    sig.push(1);
-                    sig.extend_from_slice(&r.to_le_bytes());
-                }
-                None => sig.push(0),
+            match self.step(Some(py), i, &rec, &mut sig, &mut now)? {
+                Step::Applied => i += 1,
+                Step::NeedContext(rank) => break (i, NEED_CONTEXT, rank),
+                Step::Python | Step::Gil => break (i, PYTHON, None),
             }
-            let Some(&c) = self.by_sig.get(&sig) else {
-                self.miss = Some((sig.clone(), rec.key.to_vec()));
-                break (i, NEED_CONTEXT, batch.dp_rank);
-            };
-            let rank = self.ctxs[c].as_ref().expect("a live context").rank;
-            tiers.clear();
-            let mut known = true;
-            for ev in &batch.events {
-                let medium = match ev {
-                    Event::Stored(s) => s.medium,
-                    Event::Removed(r) => r.medium,
-                };
-                match self.tier(py, medium)? {
-                    Some(t) if t < TIERS => tiers.push(t),
-                    _ => {
-                        known = false;
-                        break;
-                    }
-                }
-            }
-            if !known {
-                break (i, PYTHON, None);
-            }
-            let Some(done) = self.apply(py, c, &rec, &batch.events, &tiers, &mut now)? else {
-                break (i, PYTHON, None);
-            };
-            self.spare.recycle(batch);
-            let missing = self.check_seq(rec.key, rank, rec.seq, now);
-            if missing != 0 {
-                self.gaps.push((i, done, missing));
-            }
-            i += 1;
         };
         self.sig = sig;
         let (stop, code, rank) = result;
+        Ok(self.output(py, stop, code, rank, now))
+    }
+
+    /// `run` with the GIL released while records apply: the records are
+    /// read first, then decoded and applied with each store locked for one
+    /// record at a time, so a query waits for one record, not the batch.
+    /// It also stops (`GIL`) at a record that needs the GIL, which `run`
+    /// then applies. Nothing may change the index's pending halves, or
+    /// these contexts, until it returns.
+    fn run_free(&mut self, py: Python<'_>, records: &Bound<'_, PyList>, start: usize, now: f64) -> PyResult<RunOut> {
+        for ctx in self.ctxs.iter_mut().flatten() {
+            ctx.busy = !ctx.pending.bind(py).is_empty();
+        }
+        let items = (start..records.len()).map(|i| records.get_item(i)).collect::<PyResult<Vec<_>>>()?;
+        let mut sig = std::mem::take(&mut self.sig);
+        let mut recs = Vec::with_capacity(items.len());
+        let mut sigs = Vec::new();
+        for item in &items {
+            let Some(rec) = read_record(item, &mut sig)? else { break };
+            sigs.extend_from_slice(&sig);
+            recs.push((rec, sigs.len()));
+        }
+        let (read, unread) = (recs.len(), recs.len() < items.len());
+        let mut now = now;
+        let result = py.detach(|| -> PyResult<(usize, u8, Option<u64>)> {
+            let mut from = 0;
+            for (k, (rec, to)) in recs.iter().enumerate() {
+                sig.clear();
+                sig.extend_from_slice(&sigs[from..*to]);
+                from = *to;
+                let i = start + k;
+                match self.step(None, i, rec, &mut sig, &mut now)? {
+                    Step::Applied => {}
+                    Step::NeedContext(rank) => return Ok((i, NEED_CONTEXT, rank)),
+                    Step::Python => return Ok((i, PYTHON, None)),
+                    Step::Gil => return Ok((i, GIL, None)),
+                }
+            }
+            // Past the records read: the next is the Python path's, or none is left.
+            let code = if unread { PYTHON } else { DONE };
+            Ok((start + read, code, None))
+        });
+        self.sig = sig;
+        let (stop, code, rank) = result?;
         Ok(self.output(py, stop, code, rank, now))
     }
 
@@ -710,6 +830,7 @@ impl EngineLane {
         if block_size == 0 || kind0.as_ref().is_some_and(|k| !self.full_kinds.contains(k)) {
             return Err(pyo3::exceptions::PyValueError::new_err("not a context the lane can apply"));
         }
+        let store_now = store.get().lock().now();
         let ctx = Ctx {
             id,
             sig: sig.clone(),
@@ -729,6 +850,8 @@ impl EngineLane {
             applied: [0; TIERS],
             stored: 0,
             touched: false,
+            store_now,
+            busy: true,
         };
         let c = match self.free.pop() {
             Some(c) => {

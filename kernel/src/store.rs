@@ -15,6 +15,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hashbrown::hash_map::Entry;
 use hashbrown::{HashMap, HashSet};
@@ -651,9 +652,8 @@ impl Frozen {
     }
 }
 
-/// `kvconductor.index.block_store.PyBlockStore`, compiled.
-#[pyclass(module = "kvconductor._kernel")]
-pub struct BlockStore {
+/// A namespace's blocks: what `BlockStore` guards.
+pub(crate) struct Store {
     cat: Catalog,
     /// Per tier, per 64-slot word: identity -> the word's owner bits.
     masks: [Vec<CountMap>; TIERS],
@@ -671,7 +671,7 @@ fn no_pool(pid: i64) -> PyErr {
     PyKeyError::new_err(pid)
 }
 
-impl BlockStore {
+impl Store {
     fn owner(&self, slot: usize) -> PyResult<&Owner> {
         self.owners.get(&slot).ok_or_else(|| no_owner(slot))
     }
@@ -872,7 +872,7 @@ impl Word<'_> {
     }
 }
 
-impl BlockStore {
+impl Store {
     pub(crate) fn now(&self) -> f64 {
         self.cat.now
     }
@@ -989,74 +989,104 @@ impl LaneOwner<'_> {
     }
 }
 
+/// `kvconductor.index.block_store.PyBlockStore`, compiled. Frozen, with
+/// its blocks behind a lock: the engine lane applies records with the GIL
+/// released (`EngineLane.run_free`, one record a hold) while queries and
+/// snapshots take the lock on the event loop's thread.
+#[pyclass(module = "kvconductor._kernel", frozen)]
+pub struct BlockStore {
+    state: Mutex<Store>,
+}
+
+impl BlockStore {
+    /// A panic under the lock (a bug) left the store as it was then; the
+    /// next call still gets it.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Store> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 #[pymethods]
 impl BlockStore {
     #[new]
     fn new(max_retired: usize, max_age_s: f64) -> Self {
-        BlockStore {
+        let store = Store {
             cat: Catalog::new(max_retired, max_age_s),
             masks: [Vec::new(), Vec::new(), Vec::new()],
             pool_counts: Default::default(),
             owners: HashMap::new(),
             pools: HashMap::new(),
             frozen: Frozen::default(),
-        }
+        };
+        BlockStore { state: Mutex::new(store) }
     }
 
     // ------------------------------------------------------------- catalog
 
-    fn set_now(&mut self, now: f64) {
-        self.cat.now = now;
+    fn set_now(&self, now: f64) {
+        let mut this = self.lock();
+        this.cat.now = now;
     }
 
     fn ident(&self, seq: u64) -> Option<u64> {
-        self.cat.ident(seq)
+        let this = self.lock();
+        this.cat.ident(seq)
     }
 
     fn identities_of(&self, seqs: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-        Ok(u64s(seqs)?.into_iter().map_while(|s| self.cat.ident(s)).collect())
+        let this = self.lock();
+        Ok(u64s(seqs)?.into_iter().map_while(|s| this.cat.ident(s)).collect())
     }
 
-    fn acquire(&mut self, seq: u64, ident: u64) -> u64 {
-        self.cat.acquire(seq, ident)
+    fn acquire(&self, seq: u64, ident: u64) -> u64 {
+        let mut this = self.lock();
+        this.cat.acquire(seq, ident)
     }
 
-    fn release(&mut self, seq: u64) -> PyResult<()> {
-        self.cat.release(seq).map(drop)
+    fn release(&self, seq: u64) -> PyResult<()> {
+        let mut this = self.lock();
+        this.cat.release(seq).map(drop)
     }
 
-    fn remember(&mut self, seq: u64, ident: u64) {
-        let now = self.cat.now;
-        self.cat.retire_new(seq, ident, now);
+    fn remember(&self, seq: u64, ident: u64) {
+        let mut this = self.lock();
+        let now = this.cat.now;
+        this.cat.retire_new(seq, ident, now);
     }
 
     fn pool_holds(&self, ident: u64) -> bool {
-        self.pool_counts[HOST].contains(ident) || self.pool_counts[DISK].contains(ident)
+        let this = self.lock();
+        this.pool_counts[HOST].contains(ident) || this.pool_counts[DISK].contains(ident)
     }
 
     fn content_len(&self) -> usize {
-        self.cat.map.len()
+        let this = self.lock();
+        this.cat.map.len()
     }
 
     // ------------------------------------------------------------- retired
 
-    fn expire(&mut self, now: f64) {
-        self.cat.expire(now);
+    fn expire(&self, now: f64) {
+        let mut this = self.lock();
+        this.cat.expire(now);
     }
 
     fn retired_len(&self) -> usize {
-        self.cat.live
+        let this = self.lock();
+        this.cat.live
     }
 
     fn retired_version(&self) -> u64 {
-        self.cat.version
+        let this = self.lock();
+        this.cat.version
     }
 
     fn export_retired<'py>(
         &self,
         py: Python<'py>,
     ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
-        let items: Vec<(u64, u64, f64)> = self.cat.retired().collect();
+        let this = self.lock();
+        let items: Vec<(u64, u64, f64)> = this.cat.retired().collect();
         // An f64's little-endian bytes are its bit pattern's.
         (
             pack(py, items.iter().map(|r| r.0)),
@@ -1065,83 +1095,92 @@ impl BlockStore {
         )
     }
 
-    fn load_retired(&mut self, seqs: &[u8], idents: &[u8], ts: &[u8]) -> PyResult<()> {
+    fn load_retired(&self, seqs: &[u8], idents: &[u8], ts: &[u8]) -> PyResult<()> {
+        let mut this = self.lock();
         let (seqs, idents, ts) = (unpack(seqs)?, unpack(idents)?, unpack(ts)?);
         if idents.len() != seqs.len() || ts.len() != seqs.len() {
             return Err(PyValueError::new_err("retired arrays of different lengths"));
         }
         for ((seq, ident), at) in seqs.into_iter().zip(idents).zip(ts) {
-            self.cat.retire_new(seq, ident, f64::from_bits(at));
+            this.cat.retire_new(seq, ident, f64::from_bits(at));
         }
         Ok(())
     }
 
-    fn clear_retired(&mut self) {
-        self.cat.clear_retired();
+    fn clear_retired(&self) {
+        let mut this = self.lock();
+        this.cat.clear_retired();
     }
 
     // ----------------------------------------------------------------- cuts
 
-    fn begin_cut(&mut self) {
-        let cat = &mut self.cat;
+    fn begin_cut(&self) {
+        let mut this = self.lock();
+        let cat = &mut this.cat;
         cat.cuts += 1;
         cat.forgotten.get_or_insert_with(HashMap::new);
     }
 
-    fn end_cut(&mut self) -> PyResult<()> {
-        let cat = &mut self.cat;
+    fn end_cut(&self) -> PyResult<()> {
+        let mut this = self.lock();
+        let cat = &mut this.cat;
         if cat.cuts == 0 {
             return Err(PyAssertionError::new_err("end_cut without begin_cut"));
         }
         cat.cuts -= 1;
         if cat.cuts == 0 {
             cat.forgotten = None;
-            self.frozen = Frozen::default();
+            this.frozen = Frozen::default();
         }
         Ok(())
     }
 
-    fn freeze_owner(&mut self, slot: usize) -> PyResult<()> {
-        self.cut_open()?;
-        self.owner(slot)?;
+    fn freeze_owner(&self, slot: usize) -> PyResult<()> {
+        let mut this = self.lock();
+        this.cut_open()?;
+        this.owner(slot)?;
         for tier in [DEVICE, HOST, DISK] {
-            self.frozen.kept_tiers.remove(&(slot, tier));
-            self.frozen.tiers.insert((slot, tier));
+            this.frozen.kept_tiers.remove(&(slot, tier));
+            this.frozen.tiers.insert((slot, tier));
         }
         Ok(())
     }
 
-    fn cut_owner_seqs<'py>(&mut self, py: Python<'py>, slot: usize, tier: usize) -> PyResult<Bound<'py, PyBytes>> {
+    fn cut_owner_seqs<'py>(&self, py: Python<'py>, slot: usize, tier: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let mut this = self.lock();
         let tier = tier_ix(tier)?;
-        if let Some(kept) = self.frozen.kept_tiers.remove(&(slot, tier)) {
+        if let Some(kept) = this.frozen.kept_tiers.remove(&(slot, tier)) {
             return Ok(pack(py, kept.into_iter()));
         }
-        if !self.frozen.tiers.remove(&(slot, tier)) {
+        if !this.frozen.tiers.remove(&(slot, tier)) {
             return Err(PyAssertionError::new_err("owner tier not frozen at this cut"));
         }
-        Ok(Self::export_seqs(py, &self.owner(slot)?.tiers[tier]))
+        Ok(Store::export_seqs(py, &this.owner(slot)?.tiers[tier]))
     }
 
-    fn freeze_pool(&mut self, pid: i64) -> PyResult<()> {
-        self.cut_open()?;
-        self.pool(pid)?;
-        self.frozen.kept_pools.remove(&pid);
-        self.frozen.pools.insert(pid);
+    fn freeze_pool(&self, pid: i64) -> PyResult<()> {
+        let mut this = self.lock();
+        this.cut_open()?;
+        this.pool(pid)?;
+        this.frozen.kept_pools.remove(&pid);
+        this.frozen.pools.insert(pid);
         Ok(())
     }
 
-    fn cut_pool_seqs<'py>(&mut self, py: Python<'py>, pid: i64) -> PyResult<Bound<'py, PyBytes>> {
-        if let Some(kept) = self.frozen.kept_pools.remove(&pid) {
+    fn cut_pool_seqs<'py>(&self, py: Python<'py>, pid: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let mut this = self.lock();
+        if let Some(kept) = this.frozen.kept_pools.remove(&pid) {
             return Ok(pack(py, kept.into_iter()));
         }
-        if !self.frozen.pools.remove(&pid) {
+        if !this.frozen.pools.remove(&pid) {
             return Err(PyAssertionError::new_err("pool not frozen at this cut"));
         }
-        Ok(Self::export_seqs(py, &self.pool(pid)?.blocks))
+        Ok(Store::export_seqs(py, &this.pool(pid)?.blocks))
     }
 
     fn cut_identities<'py>(&self, py: Python<'py>, seqs: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
-        let cat = &self.cat;
+        let this = self.lock();
+        let cat = &this.cat;
         let Some(kept) = &cat.forgotten else {
             return Err(PyAssertionError::new_err("no cut is open"));
         };
@@ -1157,71 +1196,80 @@ impl BlockStore {
     }
 
     fn retired_limit(&self) -> usize {
-        self.cat.max_entries
+        let this = self.lock();
+        this.cat.max_entries
     }
 
-    fn set_retired_limit(&mut self, limit: usize) {
-        self.cat.max_entries = limit;
+    fn set_retired_limit(&self, limit: usize) {
+        let mut this = self.lock();
+        this.cat.max_entries = limit;
     }
 
     // -------------------------------------------------------------- owners
 
-    fn add_owner(&mut self, slot: usize) -> PyResult<()> {
+    fn add_owner(&self, slot: usize) -> PyResult<()> {
+        let mut this = self.lock();
         if slot >= MAX_SLOTS {
             return Err(PyValueError::new_err("owner slot out of range"));
         }
-        for m in &mut self.masks {
+        for m in &mut this.masks {
             if m.len() <= slot >> 6 {
                 m.resize_with((slot >> 6) + 1, CountMap::default);
             }
         }
         let owner = Owner { tiers: Default::default(), dups: HashMap::new() };
-        self.owners.insert(slot, owner);
+        this.owners.insert(slot, owner);
         Ok(())
     }
 
-    fn drop_owner(&mut self, slot: usize) -> PyResult<()> {
-        let owner = self.owners.remove(&slot).ok_or_else(|| no_owner(slot))?;
+    fn drop_owner(&self, slot: usize) -> PyResult<()> {
+        let mut this = self.lock();
+        let owner = this.owners.remove(&slot).ok_or_else(|| no_owner(slot))?;
         for (tier, held) in owner.tiers.iter().enumerate() {
-            self.frozen.keep_tier(slot, tier, held);
+            this.frozen.keep_tier(slot, tier, held);
         }
         Ok(())
     }
 
     fn owner_size(&self, slot: usize) -> PyResult<usize> {
-        Ok(self.owner(slot)?.tiers.iter().map(SeqSet::len).sum())
+        let this = self.lock();
+        Ok(this.owner(slot)?.tiers.iter().map(SeqSet::len).sum())
     }
 
     fn tier_len(&self, slot: usize, tier: usize) -> PyResult<usize> {
-        Ok(self.owner(slot)?.tiers[tier_ix(tier)?].len())
+        let this = self.lock();
+        Ok(this.owner(slot)?.tiers[tier_ix(tier)?].len())
     }
 
     fn count_new(&self, slot: usize, tier: usize, seqs: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let held = &self.owner(slot)?.tiers[tier_ix(tier)?];
+        let this = self.lock();
+        let held = &this.owner(slot)?.tiers[tier_ix(tier)?];
         Ok(u64s(seqs)?.iter().filter(|s| !held.contains(s)).count())
     }
 
     fn place_owner(
-        &mut self,
+        &self,
         slot: usize,
         tier: usize,
         seqs: &Bound<'_, PyAny>,
         idents: Option<&Bound<'_, PyAny>>,
         room: &Bound<'_, PyAny>,
     ) -> PyResult<Placed> {
+        let mut this = self.lock();
         let (seqs, idents, room) = (u64s(seqs)?, idents.map(u64s).transpose()?, room_of(room)?);
-        let (cat, mut h) = self.owner_tier(slot, tier)?;
+        let (cat, mut h) = this.owner_tier(slot, tier)?;
         place(cat, &mut h, &seqs, idents.as_deref(), room)
     }
 
     fn remove_owner(
-        &mut self,
+        &self,
         slot: usize,
         tier: usize,
         seqs: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<u64>> {
+        let mut this = self.lock();
         let seqs = u64s(seqs)?;
-        let (cat, mut h) = self.owner_tier(slot, tier)?;
+        let (cat, mut h) = this.owner_tier(slot, tier)?;
         let mut missing = Vec::new();
         for seq in seqs {
             if !unplace(cat, &mut h, seq)? {
@@ -1231,10 +1279,11 @@ impl BlockStore {
         Ok(missing)
     }
 
-    fn clear_owner(&mut self, slot: usize) -> PyResult<usize> {
+    fn clear_owner(&self, slot: usize) -> PyResult<usize> {
+        let mut this = self.lock();
         let mut removed = 0;
         for tier in [DEVICE, HOST, DISK] {
-            let (cat, mut h) = self.owner_tier(slot, tier)?;
+            let (cat, mut h) = this.owner_tier(slot, tier)?;
             removed += clear(cat, &mut h)?;
         }
         Ok(removed)
@@ -1246,54 +1295,62 @@ impl BlockStore {
         slot: usize,
         tier: usize,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-        Ok(self.export(py, &self.owner(slot)?.tiers[tier_ix(tier)?]))
+        let this = self.lock();
+        Ok(this.export(py, &this.owner(slot)?.tiers[tier_ix(tier)?]))
     }
 
-    fn load_owner(&mut self, slot: usize, tier: usize, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
-        let (cat, mut h) = self.owner_tier(slot, tier)?;
+    fn load_owner(&self, slot: usize, tier: usize, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
+        let mut this = self.lock();
+        let (cat, mut h) = this.owner_tier(slot, tier)?;
         let empty = h.set.is_empty();
         load(cat, &mut h, empty, seqs, idents, "tier")
     }
 
     // --------------------------------------------------------------- pools
 
-    fn add_pool(&mut self, pid: i64, tier: usize) -> PyResult<()> {
+    fn add_pool(&self, pid: i64, tier: usize) -> PyResult<()> {
+        let mut this = self.lock();
         let tier = tier_ix(tier)?;
-        self.pools.insert(pid, Pool { tier, blocks: SeqSet::default() });
+        this.pools.insert(pid, Pool { tier, blocks: SeqSet::default() });
         Ok(())
     }
 
-    fn drop_pool(&mut self, pid: i64) -> PyResult<()> {
-        let pool = self.pools.remove(&pid).ok_or_else(|| no_pool(pid))?;
-        self.frozen.keep_pool(pid, &pool.blocks);
+    fn drop_pool(&self, pid: i64) -> PyResult<()> {
+        let mut this = self.lock();
+        let pool = this.pools.remove(&pid).ok_or_else(|| no_pool(pid))?;
+        this.frozen.keep_pool(pid, &pool.blocks);
         Ok(())
     }
 
     fn pool_len(&self, pid: i64) -> PyResult<usize> {
-        Ok(self.pool(pid)?.blocks.len())
+        let this = self.lock();
+        Ok(this.pool(pid)?.blocks.len())
     }
 
     #[pyo3(signature = (pid, seqs, idents, room, placed_out))]
     fn place_pool(
-        &mut self,
+        &self,
         pid: i64,
         seqs: &Bound<'_, PyAny>,
         idents: Option<&Bound<'_, PyAny>>,
         room: &Bound<'_, PyAny>,
         placed_out: Option<&Bound<'_, PyList>>,
     ) -> PyResult<Placed> {
+        let mut this = self.lock();
         let (seqs, idents, room) = (u64s(seqs)?, idents.map(u64s).transpose()?, room_of(room)?);
-        let (cat, mut h) = self.pool_blocks(pid, placed_out)?;
+        let (cat, mut h) = this.pool_blocks(pid, placed_out)?;
         place(cat, &mut h, &seqs, idents.as_deref(), room)
     }
 
-    fn remove_pool(&mut self, pid: i64, seq: u64) -> PyResult<bool> {
-        let (cat, mut h) = self.pool_blocks(pid, None)?;
+    fn remove_pool(&self, pid: i64, seq: u64) -> PyResult<bool> {
+        let mut this = self.lock();
+        let (cat, mut h) = this.pool_blocks(pid, None)?;
         unplace(cat, &mut h, seq)
     }
 
-    fn clear_pool(&mut self, pid: i64) -> PyResult<usize> {
-        let (cat, mut h) = self.pool_blocks(pid, None)?;
+    fn clear_pool(&self, pid: i64) -> PyResult<usize> {
+        let mut this = self.lock();
+        let (cat, mut h) = this.pool_blocks(pid, None)?;
         clear(cat, &mut h)
     }
 
@@ -1302,11 +1359,13 @@ impl BlockStore {
         py: Python<'py>,
         pid: i64,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-        Ok(self.export(py, &self.pool(pid)?.blocks))
+        let this = self.lock();
+        Ok(this.export(py, &this.pool(pid)?.blocks))
     }
 
-    fn load_pool(&mut self, pid: i64, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
-        let (cat, mut h) = self.pool_blocks(pid, None)?;
+    fn load_pool(&self, pid: i64, seqs: &[u8], idents: &[u8]) -> PyResult<()> {
+        let mut this = self.lock();
+        let (cat, mut h) = this.pool_blocks(pid, None)?;
         let empty = h.set.is_empty();
         load(cat, &mut h, empty, seqs, idents, "pool")
     }
@@ -1324,6 +1383,7 @@ impl BlockStore {
         seed: u64,
         listed: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
+        let this = self.lock();
         let step = block_size
             .checked_mul(4)
             .filter(|s| *s > 0)
@@ -1331,7 +1391,7 @@ impl BlockStore {
         let len = data.len() / step;
         let source = Source::Tokens { data, step, ident: seed };
         let mut prompt = Prompt { source, idents: Vec::with_capacity(len), len };
-        self.matched(&mut prompt, listed)
+        this.matched(&mut prompt, listed)
     }
 
     #[pyo3(signature = (idents, listed))]
@@ -1340,6 +1400,7 @@ impl BlockStore {
         idents: &Bound<'_, PyAny>,
         listed: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
+        let this = self.lock();
         let mut prompt = if let Ok(list) = idents.cast::<PyList>() {
             let len = list.len();
             Prompt { source: Source::List(list), idents: Vec::with_capacity(len), len }
@@ -1347,7 +1408,7 @@ impl BlockStore {
             let given = u64s(idents)?;
             Prompt { source: Source::Given, len: given.len(), idents: given }
         };
-        self.matched(&mut prompt, listed)
+        this.matched(&mut prompt, listed)
     }
 
     /// `shape.shape_json(match_tokens(...))`, the lengths never made
@@ -1379,7 +1440,8 @@ impl BlockStore {
 
     /// Every map as `PyBlockStore.dump` gives it.
     fn dump<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let cat = &self.cat;
+        let this = self.lock();
+        let cat = &this.cat;
         let content = PyDict::new(py);
         let refs = PyDict::new(py);
         for (seq, b) in cat.map.iter() {
@@ -1390,7 +1452,7 @@ impl BlockStore {
         }
         let retired: Vec<(u64, f64)> = cat.retired().map(|(s, _, ts)| (s, ts)).collect();
         let masks = PyList::empty(py);
-        for tier in &self.masks {
+        for tier in &this.masks {
             let mut joined: HashMap<u64, Vec<u64>> = HashMap::new();
             for (w, word) in tier.iter().enumerate() {
                 for (ident, bits) in word.iter() {
@@ -1404,7 +1466,7 @@ impl BlockStore {
             masks.append(d)?;
         }
         let pool_counts = PyList::empty(py);
-        for counts in &self.pool_counts {
+        for counts in &this.pool_counts {
             pool_counts.append(counts.iter().collect::<std::collections::HashMap<_, _>>())?;
         }
         let held = |set: &SeqSet| -> PyResult<Bound<'py, PyDict>> {
@@ -1415,7 +1477,7 @@ impl BlockStore {
             Ok(d)
         };
         let owners = PyDict::new(py);
-        for (slot, o) in &self.owners {
+        for (slot, o) in &this.owners {
             let tiers = PyList::empty(py);
             for t in &o.tiers {
                 tiers.append(held(t)?)?;
@@ -1424,7 +1486,7 @@ impl BlockStore {
             owners.set_item(slot, (tiers, dups))?;
         }
         let pools = PyDict::new(py);
-        for (pid, p) in &self.pools {
+        for (pid, p) in &this.pools {
             pools.set_item(pid, (p.tier, held(&p.blocks)?))?;
         }
         let out = PyDict::new(py);
