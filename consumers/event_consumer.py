@@ -15,6 +15,7 @@ import heapq
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from typing import Any, NamedTuple, Protocol
 
@@ -196,6 +197,9 @@ class EventConsumer:
         self.caught_up = False
         self.problems = RateLimitedLog("kvconductor.consumer")
         self._chunk = 1  # records per call into the core (see CHUNK_S)
+        # The kernel's part of applying runs here, the GIL released, while
+        # the event loop serves queries and reads the next fetches.
+        self._applier = ThreadPoolExecutor(1, thread_name_prefix="kvconductor-apply")
         # aiokafka runs rebalance callbacks in its coordinator task, so they
         # can fire while a fetched batch is half applied. Applying a batch,
         # the rebalance hooks and checkpoints all hold this lock, and a batch
@@ -385,7 +389,7 @@ class EventConsumer:
             chunk = incoming[done : done + self._chunk]
             n = len(chunk)
             began = clock()
-            notices = self.conductor.ingest(chunk)
+            notices, cancelled = await self._ingest(chunk)
             self._chunk = _next_chunk(n, clock() - began)
             # The index holds the chunk now, its offsets go with it (what a
             # snapshot captures must match), dead letters sent or not.
@@ -401,6 +405,8 @@ class EventConsumer:
             consumed = self.metrics.records_consumed
             for topic, count in per_topic.items():
                 consumed.labels(topic=topic).inc(count)
+            if cancelled:
+                raise asyncio.CancelledError
             done += n
             if clock() >= resume:
                 # Let queries in: a batch takes seconds when behind.
@@ -408,6 +414,30 @@ class EventConsumer:
                 resume = clock() + YIELD_AFTER_S
         if dead_lettered:
             await self.dead_letters.flush()
+
+    async def _ingest(self, chunk: Sequence[Incoming]) -> tuple[list[Notice], bool]:
+        """`conductor.ingest(chunk)` with the kernel's calls on the apply
+        thread. A chunk begun is applied to its end, as its offsets must go
+        with it: a cancellation meanwhile is returned (True), to be raised
+        once they have."""
+        loop = asyncio.get_running_loop()
+        steps = self.conductor.ingest_steps(chunk)
+        cancelled = False
+        try:
+            call = next(steps)
+            while True:
+                running = loop.run_in_executor(self._applier, call)
+                while True:
+                    try:
+                        out = await asyncio.shield(running)
+                        break
+                    except asyncio.CancelledError:
+                        if running.cancelled():
+                            raise
+                        cancelled = True
+                call = steps.send(out)
+        except StopIteration as done:
+            return done.value, cancelled
 
     async def poll_or_back_off(self, timeout_ms: int, doing: str) -> bool:
         """`poll`, for a loop that outlives outages: a Kafka error is logged

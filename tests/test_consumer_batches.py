@@ -83,13 +83,13 @@ async def test_records_go_to_the_core_in_chunks(monkeypatch: Any) -> None:
     records = _records()[:40]
     conductor = Conductor()
     calls: list[int] = []
-    ingest = conductor.ingest
+    ingest_steps = conductor.ingest_steps
 
     def counted(batch: Any) -> Any:
         calls.append(len(batch))
-        return ingest(batch)
+        return ingest_steps(batch)
 
-    monkeypatch.setattr(conductor, "ingest", counted)
+    monkeypatch.setattr(conductor, "ingest_steps", counted)
     events = _consumer(conductor, Letters())
     assert await events._apply_batch({TP: records}, events.epoch) == 40
     assert calls == [1] * 40

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvconductor.index.engine_lane import EngineLane
+from kvconductor.index.engine_lane import EngineLane, Steps, run_here
 from kvconductor.index.fleet import Index, IndexLimits
 from kvconductor.index.namespace import Dirty, NamespaceKey
 from kvconductor.index.pending import INTENT, UNRESOLVED, WAITING
@@ -112,13 +112,17 @@ class Conductor:
         """Apply records in order, each whole or not at all; returns the
         notices, in order, of the records that were skipped or have
         something to say (most records have none)."""
+        return run_here(self.ingest_steps(records))
+
+    def ingest_steps(self, records: Sequence[Incoming]) -> Steps[list[Notice]]:
+        """`ingest`, as the kernel calls it makes (`engine_lane.run_here`)."""
         notices: list[Notice] = []
         lane = self.lane
         batch = records if isinstance(records, list) else list(records)  # the lane takes lists
         i, n = 0, len(batch)
         while i < n:
             if lane is not None:
-                stop = lane.run(batch, i)
+                stop = yield from lane.run(batch, i)
                 notices += [Notice(at, Applied(b, missing), None) for at, b, missing in stop.gaps]
                 if not stop.python:
                     break

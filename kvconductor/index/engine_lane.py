@@ -15,11 +15,21 @@ exact for it, checked here (`_context`) against the index as it is. The lane
 forgets an instance's contexts whenever the Python path applies one of its
 records, and all of them when the index's `epoch` moves (a restore, a
 resync, an instance removed).
+
+`run` is a generator of the kernel's calls that apply records with the GIL
+released (`_kernel.EngineLane.run_free`): whoever drives it runs each call
+where it likes, on another thread so that the event loop serves queries
+meanwhile (`consumers/event_consumer.py`), or right there (`run_here`).
+Everything else, the Python path included, happens where the generator
+runs, between those calls; nothing else may change the index while one
+runs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Generator
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from kvconductor.index.cache_groups import FULL_KINDS
 from kvconductor.index.namespace import NamespaceIndex, NamespaceKey, namespace_key
@@ -36,6 +46,7 @@ if TYPE_CHECKING:
 DONE = 0
 NEED_CONTEXT = 1
 PYTHON = 2
+GIL = 3
 _MAX_RANK = 1 << 16
 
 # (record, blocks applied, kv-seq messages missing) of each gap
@@ -54,6 +65,22 @@ class Stop(NamedTuple):
     gaps: list[Gap]
 
 
+T = TypeVar("T")
+KernelCall = Callable[[], "_kernel.RunOut"]
+# A generator of kernel calls: each sent back its call's result.
+Steps = Generator[KernelCall, "_kernel.RunOut", T]
+
+
+def run_here(steps: Steps[T]) -> T:
+    """Drives `steps` with each kernel call made on this thread."""
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(call())
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
 class EngineLane:
     def __init__(self, index: Index) -> None:
         assert KERNEL is not None
@@ -63,7 +90,7 @@ class EngineLane:
         self.next_id = 0
         self.epoch = index.epoch
 
-    def run(self, records: list[Incoming], start: int) -> Stop:
+    def run(self, records: list[Incoming], start: int) -> Steps[Stop]:
         """Apply `records[start:]` until one the lane cannot (see the module doc)."""
         index = self.index
         if index.epoch != self.epoch:
@@ -72,14 +99,20 @@ class EngineLane:
             self.epoch = index.epoch
         gaps: list[Gap] = []
         at = start
-        while True:
-            out = self.kernel.run(records, at, index.now)
+        while at < len(records):
+            out = yield partial(self.kernel.run_free, records, at, index.now)
+            if out[1] == GIL:
+                self._flush(out)
+                gaps += out[5]
+                out = self.kernel.run(records, out[0], index.now, out[0] + 1)
             at, code, rank = out[0], out[1], out[2]
             self._flush(out)
             gaps += out[5]
             if code == NEED_CONTEXT and self._context(records[at], rank):
                 continue
-            return Stop(at, code != DONE, gaps)
+            if code != DONE:
+                return Stop(at, True, gaps)
+        return Stop(at, False, gaps)
 
     def forget(self, key: bytes | str | None) -> None:
         """The Python path applied a record of this instance."""
