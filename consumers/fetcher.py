@@ -274,8 +274,13 @@ class NativeFetcher:
         return None if st is None else st.lso
 
     def last_poll_timestamp(self, tp: TopicPartition) -> int | None:
+        """When the partition's leader last answered, or now while records
+        it returned wait to be taken: Kafka is not the one behind then (the
+        fetches wait for the index, whose delay `behind_s` tells)."""
         st = self.parts.get(tp)
-        return None if st is None else st.answered_ms
+        if st is None:
+            return None
+        return int(time.time() * 1000) if st.buffered else st.answered_ms
 
     def _new_generation(self) -> None:
         self.generation += 1
