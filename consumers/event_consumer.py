@@ -39,9 +39,11 @@ log = structlog.get_logger("kvconductor.consumer")
 # Applying time between two chances for queries to run.
 YIELD_AFTER_S = 0.002
 # Records of a batch go to the core in chunks sized to take about a
-# quarter of YIELD_AFTER_S each, by the last chunk's time a record: a record
-# costs from microseconds (the compiled path, short records) to milliseconds
-# (a long prompt in Python), so no fixed count bounds the wait for queries.
+# quarter of YIELD_AFTER_S each of the event loop's time, by the last
+# chunk's a record: a record costs from microseconds (the compiled path,
+# short records) to milliseconds (a long prompt in Python), so no fixed
+# count bounds the wait for queries. The apply thread's time is not the
+# loop's: queries run meanwhile.
 CHUNK_S = YIELD_AFTER_S / 4
 MAX_CHUNK = 1024
 
@@ -389,8 +391,8 @@ class EventConsumer:
             chunk = incoming[done : done + self._chunk]
             n = len(chunk)
             began = clock()
-            notices, cancelled = await self._ingest(chunk)
-            self._chunk = _next_chunk(n, clock() - began)
+            notices, cancelled, threaded = await self._ingest(chunk)
+            self._chunk = _next_chunk(n, clock() - began - threaded)
             # The index holds the chunk now, its offsets go with it (what a
             # snapshot captures must match), dead letters sent or not.
             per_topic: dict[str, int] = {}
@@ -415,17 +417,20 @@ class EventConsumer:
         if dead_lettered:
             await self.dead_letters.flush()
 
-    async def _ingest(self, chunk: Sequence[Incoming]) -> tuple[list[Notice], bool]:
+    async def _ingest(self, chunk: Sequence[Incoming]) -> tuple[list[Notice], bool, float]:
         """`conductor.ingest(chunk)` with the kernel's calls on the apply
-        thread. A chunk begun is applied to its end, as its offsets must go
-        with it: a cancellation meanwhile is returned (True), to be raised
-        once they have."""
+        thread; also returns whether the task was cancelled and the seconds
+        the calls took. A chunk begun is applied to its end, as its offsets
+        must go with it: a cancellation meanwhile is raised once they have."""
         loop = asyncio.get_running_loop()
         steps = self.conductor.ingest_steps(chunk)
         cancelled = False
+        clock = time.perf_counter
+        threaded = 0.0
         try:
             call = next(steps)
             while True:
+                began = clock()
                 running = loop.run_in_executor(self._applier, call)
                 while True:
                     try:
@@ -435,9 +440,10 @@ class EventConsumer:
                         if running.cancelled():
                             raise
                         cancelled = True
+                threaded += clock() - began
                 call = steps.send(out)
         except StopIteration as done:
-            return done.value, cancelled
+            return done.value, cancelled, threaded
 
     async def poll_or_back_off(self, timeout_ms: int, doing: str) -> bool:
         """`poll`, for a loop that outlives outages: a Kafka error is logged
