@@ -69,6 +69,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from kvconductor.index.engine_lane import Steps
 from kvconductor.wire.records import KV_SEQ
 
 FIXTURE = (
@@ -310,7 +311,8 @@ class _Untouched:
         self._core = Conductor()
         self.counters = self._core.counters
 
-    def ingest(self, records: Sequence[Any]) -> list[Any]:
+    def ingest_steps(self, records: Sequence[Any]) -> Steps[list[Any]]:
+        yield from ()  # no kernel calls
         return []
 
 
