@@ -29,8 +29,6 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kernel ./kernel
 COPY kvconductor ./kvconductor
-COPY consumers ./consumers
-COPY bench ./bench
 # Wheels of kvconductor (with its compiled kernel) and of every dependency,
 # so the runtime stage needs no compiler.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .

@@ -137,7 +137,7 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
     fetch_min_bytes: int = 1
     fetch_max_wait_ms: int = 100
     # Who fetches the event topics: aiokafka's fetcher, or the daemon's own
-    # requests read by the compiled kernel (consumers/fetcher.py); auto:
+    # requests read by the compiled kernel (kvconductor/consumers/fetcher.py); auto:
     # the daemon's own wherever the kernel is loaded.
     fetch_path: FetchPath = "auto"
     # Scale-out: several daemons in one group share the work by namespace.

@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from bench.dynamo_indexer import available
-from bench.ingest import ingest_figure, real_path_figure
-from bench.replay import replay_figure
-from bench.trace import Router, read_trace, vllm_trace_workload
-from bench.vllm_engine import CLOCK_START, EngineConfig, FleetConfig, fleet_workload
-from bench.workload import Workload
 from kvconductor.index.conductor import Conductor, Incoming
+from kvconductor.tools.bench.dynamo_indexer import available
+from kvconductor.tools.bench.ingest import ingest_figure, real_path_figure
+from kvconductor.tools.bench.replay import replay_figure
+from kvconductor.tools.bench.trace import Router, read_trace, vllm_trace_workload
+from kvconductor.tools.bench.vllm_engine import (
+    CLOCK_START,
+    EngineConfig,
+    FleetConfig,
+    fleet_workload,
+)
+from kvconductor.tools.bench.workload import Workload
 
 
 def _tiny() -> Workload:

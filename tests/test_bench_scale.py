@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.scale import measure
+from kvconductor.tools.bench.scale import measure
 from kvconductor.tools.cli import main
 
 

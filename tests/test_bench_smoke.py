@@ -15,14 +15,20 @@ import msgspec
 import pytest
 import xxhash
 
-from bench import report
-from bench.fixed_answer import CHAIN, Filler, chains_for, fixed_answer_figure, instances_of
-from bench.measure import jit_cpu_s, process_cpu_s
-from bench.peers import dynamo_available
-from bench.restore import broker_pid, local_broker
-from bench.suite import Options, run
-from bench.trace import trace_workload
-from bench.workload import WorkloadConfig, generate
+from kvconductor.tools.bench import report
+from kvconductor.tools.bench.fixed_answer import (
+    CHAIN,
+    Filler,
+    chains_for,
+    fixed_answer_figure,
+    instances_of,
+)
+from kvconductor.tools.bench.measure import jit_cpu_s, process_cpu_s
+from kvconductor.tools.bench.peers import dynamo_available
+from kvconductor.tools.bench.restore import broker_pid, local_broker
+from kvconductor.tools.bench.suite import Options, run
+from kvconductor.tools.bench.trace import trace_workload
+from kvconductor.tools.bench.workload import WorkloadConfig, generate
 from kvconductor.wire.engine import decode_engine_payload
 from kvconductor.wire.hashing import BASE_SEED
 from kvconductor.wire.pool import decode_pool_payload
@@ -209,7 +215,7 @@ def test_tiny_run_report_shape(tmp_path: Path) -> None:
 
 
 def test_probes_are_split_by_the_generations_they_waited_through() -> None:
-    from bench.e2e import by_generation
+    from kvconductor.tools.bench.e2e import by_generation
 
     # (sent, latency) in epoch seconds; one generation from 10 to 12.
     probes = [(9.0, 0.5), (9.5, 0.6), (11.0, 0.01), (12.5, 0.02)]
@@ -304,7 +310,7 @@ def test_tiny_run_through_the_broker(kafka_bootstrap: str, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("argv", [["--help"]])
 def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from kvconductor.tools.bench import main
+    from kvconductor.tools.bench.command import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -327,8 +333,8 @@ def test_the_benchmarks_own_broker_is_known_by_its_bootstrap() -> None:
 
 
 def test_cli_sizes_reach_the_options() -> None:
-    from bench import suite
-    from kvconductor.tools.bench import build_parser, options_from
+    from kvconductor.tools.bench import suite
+    from kvconductor.tools.bench.command import build_parser, options_from
 
     def opts(*argv: str) -> Options:
         result: Options = options_from(build_parser().parse_args(list(argv)), suite)

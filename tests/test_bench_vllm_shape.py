@@ -19,8 +19,9 @@ from pathlib import Path
 
 import msgspec
 
-from bench.cluster import Record
-from bench.vllm_engine import (
+from kvconductor.index.conductor import Conductor, Incoming
+from kvconductor.tools.bench.cluster import Record
+from kvconductor.tools.bench.vllm_engine import (
     FIXTURE_FLEET,
     EngineConfig,
     FleetConfig,
@@ -28,7 +29,6 @@ from bench.vllm_engine import (
     record_shape,
     run_fleet,
 )
-from kvconductor.index.conductor import Conductor, Incoming
 from kvconductor.wire.engine import decode_engine_payload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-hybrid" / "records.jsonl"

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from consumers.dead_letters import dead_letter_headers
 from kvconductor.config import Config
+from kvconductor.consumers.dead_letters import dead_letter_headers
 from tests.harness import (
     daemon_config,
     engine_headers,
@@ -114,7 +114,10 @@ def test_help_lists_the_commands() -> None:
 def test_bench_runs_from_the_installed_package(tmp_path: Path) -> None:
     # `kvconductor bench` imports the `bench` package as installed (-I: no
     # checkout on sys.path, from a folder that is not the repository).
-    code = "import bench.report, bench.suite, kvconductor.tools.bench as b; b._import_bench()"
+    code = (
+        "import kvconductor.tools.bench.report, kvconductor.tools.bench.suite,"
+        " kvconductor.tools.bench.command as b; b._import_bench()"
+    )
     result = subprocess.run(
         [sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True
     )

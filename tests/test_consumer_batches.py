@@ -13,8 +13,8 @@ from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 from structlog.testing import capture_logs
 
-import consumers.event_consumer as event_consumer
-from consumers.event_consumer import EventConsumer
+import kvconductor.consumers.event_consumer as event_consumer
+from kvconductor.consumers.event_consumer import EventConsumer
 from kvconductor.index.conductor import Conductor
 from kvconductor.obs.metrics import Metrics
 from kvconductor.snapshots.units import state_fingerprint

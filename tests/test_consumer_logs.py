@@ -9,7 +9,7 @@ from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 from structlog.testing import capture_logs
 
-from consumers.event_consumer import EventConsumer
+from kvconductor.consumers.event_consumer import EventConsumer
 from kvconductor.index.conductor import Conductor
 from kvconductor.obs.metrics import Metrics
 

@@ -181,8 +181,13 @@ def test_the_build_stage_replayed_in_a_scratch_folder_makes_a_wheel_with_the_ker
     assert any(n.startswith("kvconductor/_kernel") and n.endswith(".so") for n in names)
     for data in ("pom.xml", "server.properties", "log4j2.yaml"):
         assert f"kvconductor/tools/kafka_local/resources/kafka/{data}" in names
-    assert "bench/suite.py" in names
-    assert "consumers/event_consumer.py" in names
+    assert "kvconductor/tools/bench/suite.py" in names
+    assert "kvconductor/consumers/event_consumer.py" in names
+    # Only kvconductor is importable from the install: nothing else lands in
+    # site-packages beside other projects.
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {
+        "kvconductor"
+    }
 
     # The runtime stage's kernel check, against the unpacked wheel.
     site = tmp_path / "site"

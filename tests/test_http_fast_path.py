@@ -22,11 +22,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.http_load import WARM_UP, http_figure
-from bench.raw_http import connect
-from bench.workload import generate
 from kvconductor.http.api import API_KEY, QueryApi
 from kvconductor.tools.api_client import metric_sum, parse_metrics
+from kvconductor.tools.bench.http_load import WARM_UP, http_figure
+from kvconductor.tools.bench.raw_http import connect
+from kvconductor.tools.bench.workload import generate
 from tests.test_bench_smoke import _tiny_config
 from tests.test_http_abuse import connection, encode, read_answer, request_head, serving
 from tests.test_http_api import FULL_ANSWER, TOKEN, query

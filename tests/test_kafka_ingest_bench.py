@@ -1,11 +1,11 @@
-"""bench/kafka_ingest.py runs end to end on a small topic and counts what it
+"""kvconductor/tools/bench/kafka_ingest.py runs end to end on a small topic and counts what it
 produced (its figures are measurements, never asserted)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import kafka_ingest
+from kvconductor.tools.bench import kafka_ingest
 
 
 @pytest.mark.kafka

@@ -1,4 +1,4 @@
-"""The native fetch path (consumers/fetcher.py, kernel/src/record_batch.rs)
+"""The native fetch path (kvconductor/consumers/fetcher.py, kernel/src/record_batch.rs)
 reads exactly what aiokafka reads: the same records (keys, values,
 headers, offsets, timestamps) of the same partitions, for every codec the
 bridge can produce with, with transactions committed and aborted."""
@@ -18,7 +18,7 @@ from aiokafka.errors import KafkaConnectionError
 from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
-from consumers.fetcher import NativeFetcher, record_reader
+from kvconductor.consumers.fetcher import NativeFetcher, record_reader
 from kvconductor.index.conductor import Conductor, Incoming
 from kvconductor.kafka.frames import FrameConnection, _Frames
 from kvconductor.kernel import KERNEL

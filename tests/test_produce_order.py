@@ -12,7 +12,7 @@ from aiokafka.structs import ConsumerRecord
 from hypothesis import given
 from hypothesis import strategies as st
 
-from consumers.event_consumer import in_produce_order
+from kvconductor.consumers.event_consumer import in_produce_order
 
 
 def record(tp: TopicPartition, offset: int, ts: int) -> ConsumerRecord[bytes, bytes]:

@@ -19,9 +19,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
 
-from consumers.dead_letters import DeadLetterWriter
-from consumers.event_consumer import EventConsumer
-from consumers.positions import resume_positions
+from kvconductor.consumers.dead_letters import DeadLetterWriter
+from kvconductor.consumers.event_consumer import EventConsumer
+from kvconductor.consumers.positions import resume_positions
 from kvconductor.index.conductor import Conductor
 from kvconductor.obs.metrics import Metrics
 from tests.harness import engine_headers, stored, vllm_payload

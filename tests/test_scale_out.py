@@ -12,8 +12,8 @@ import msgspec
 import pytest
 from aiokafka.errors import KafkaError
 
-from consumers.routing import pool_routes
 from kvconductor.config import Config
+from kvconductor.consumers.routing import pool_routes
 from kvconductor.index.conductor import Conductor
 from kvconductor.service.daemon import Daemon
 from kvconductor.snapshots.units import state_fingerprint

@@ -28,8 +28,8 @@ from typing import IO, Any
 
 import pytest
 
-from consumers.dead_letters import dead_letter_headers
 from kvconductor.config import Config
+from kvconductor.consumers.dead_letters import dead_letter_headers
 from kvconductor.kafka.topics import TopicSpec, ensure_topics_on
 from kvconductor.tools.api_client import metric_sum, parse_metrics
 from kvconductor.tools.kafka_local.broker import free_ports

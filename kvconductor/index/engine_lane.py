@@ -19,7 +19,7 @@ resync, an instance removed).
 `run` is a generator of the kernel's calls that apply records with the GIL
 released (`_kernel.EngineLane.run_free`): whoever drives it runs each call
 where it likes, on another thread so that the event loop serves queries
-meanwhile (`consumers/event_consumer.py`), or right there (`run_here`).
+meanwhile (`kvconductor/consumers/event_consumer.py`), or right there (`run_here`).
 Everything else, the Python path included, happens where the generator
 runs, between those calls; nothing else may change the index while one
 runs.

@@ -4,7 +4,7 @@ aiokafka's connection reads responses through asyncio's `StreamReader`:
 each chunk from the socket is appended to the reader's buffer, each
 response copied out of it, and its decoder copies a Fetch response's
 records out once more: three copies of every fetched byte, over half the
-native fetch path's CPU (bench/kafka_ingest.py --kafka-only). Here the
+native fetch path's CPU (kvconductor/tools/bench/kafka_ingest.py --kafka-only). Here the
 socket is read (an `asyncio.BufferedProtocol`) straight into a buffer the
 size of the response frame, which the kernel then reads in place
 (`_kernel.fetch_response`, `RecordReader.read`).

@@ -37,18 +37,18 @@ from aiohttp import web
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 
-from consumers.dead_letters import DeadLetterWriter
-from consumers.event_consumer import EventConsumer
-from consumers.fetcher import native_fetcher
-from consumers.positions import resume_positions
-from consumers.repartitioner import Repartitioner
-from consumers.routing import group_key
 from kvconductor.config import (
     Config,
     kafka_fetch_options,
     kafka_group_options,
     kafka_service_options,
 )
+from kvconductor.consumers.dead_letters import DeadLetterWriter
+from kvconductor.consumers.event_consumer import EventConsumer
+from kvconductor.consumers.fetcher import native_fetcher
+from kvconductor.consumers.positions import resume_positions
+from kvconductor.consumers.repartitioner import Repartitioner
+from kvconductor.consumers.routing import group_key
 from kvconductor.http.serve import serve_api
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.namespace import NamespaceKey

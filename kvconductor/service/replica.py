@@ -44,10 +44,10 @@ import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from consumers.dead_letters import DeadLetterWriter
-from consumers.event_consumer import EventConsumer
-from consumers.positions import resume_positions
 from kvconductor.config import Config, kafka_service_options
+from kvconductor.consumers.dead_letters import DeadLetterWriter
+from kvconductor.consumers.event_consumer import EventConsumer
+from kvconductor.consumers.positions import resume_positions
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.fleet import Index, IndexLimits
 from kvconductor.kafka.access import check_access

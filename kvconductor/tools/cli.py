@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     kl.add_argument("rest", nargs=argparse.REMAINDER)
     kl.set_defaults(func=_kafka_local)
 
-    from kvconductor.tools import bench as bench_cmd  # light: the benchmark loads on use
+    from kvconductor.tools.bench import command as bench_cmd  # light: the benchmark loads on use
 
     bench = sub.add_parser(
         "bench",

@@ -1,6 +1,6 @@
 """Normalised KV events: what every wire form decodes to.
 
-Decoders in `consumers/` turn vLLM, SGLang, TensorRT-LLM and Mooncake pool
+Decoders in `kvconductor/consumers/` turn vLLM, SGLang, TensorRT-LLM and Mooncake pool
 payloads into these Structs. By then every block hash is an unsigned 64-bit
 int (contract section 1), so the index never sees a wire quirk.
 """

@@ -2,7 +2,7 @@
 
 The daemon sends a record it cannot apply to the dead-letter topic with its
 key, value and headers untouched plus `dlq-*` headers (why, and where it
-came from: see `consumers.dead_letters`). After the cause is fixed (a
+came from: see `kvconductor.consumers.dead_letters`). After the cause is fixed (a
 bridge's headers, a daemon upgrade that decodes a new engine release),
 `redrive` produces each selected record back to its source topic with the
 original key, value and headers, the `dlq-*` headers removed, so the daemon
@@ -38,7 +38,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
-from consumers.dead_letters import (
+from kvconductor.config import Config, KafkaConfig, kafka_client_options
+from kvconductor.consumers.dead_letters import (
     DLQ_KIND,
     DLQ_OFFSET,
     DLQ_PARTITION,
@@ -46,7 +47,6 @@ from consumers.dead_letters import (
     DLQ_TIME,
     DLQ_TOPIC,
 )
-from kvconductor.config import Config, KafkaConfig, kafka_client_options
 from kvconductor.kafka.access import KafkaAccessError, check_access
 from kvconductor.kafka.clients import started
 from kvconductor.tools.termui import Progress, ToolError, fail, print_table, tool_config

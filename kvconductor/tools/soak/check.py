@@ -25,8 +25,8 @@ import aiohttp
 import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from consumers.dead_letters import DLQ_KIND, DLQ_OFFSET, DLQ_PARTITION, DLQ_TOPIC
 from kvconductor.config import Config, KafkaConfig, kafka_client_options
+from kvconductor.consumers.dead_letters import DLQ_KIND, DLQ_OFFSET, DLQ_PARTITION, DLQ_TOPIC
 from kvconductor.index.conductor import Conductor
 from kvconductor.index.fleet import IndexLimits
 from kvconductor.kafka.clients import refresh_metadata

@@ -39,10 +39,10 @@ from typing import Any
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import raw_http
-from bench.cluster import Record
-from bench.measure import percentile, process_cpu_s
-from bench.workload import Workload
+from kvconductor.tools.bench import raw_http
+from kvconductor.tools.bench.cluster import Record
+from kvconductor.tools.bench.measure import percentile, process_cpu_s
+from kvconductor.tools.bench.workload import Workload
 from kvconductor.tools.kafka_local import broker as kafka_local
 from kvconductor.wire.encode import vllm_payload, vllm_stored
 

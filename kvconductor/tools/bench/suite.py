@@ -10,13 +10,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import report
-from bench.fixed_answer import fixed_answer_figure
-from bench.http_load import http_figure
-from bench.measure import forked, summary, warm_memory
-from bench.peers import ALL_PEERS, Peer, dynamo_available
-from bench.runners import apply_figure, scale_figure, strip_answers
-from bench.workload import Workload, WorkloadConfig, generate
+from kvconductor.tools.bench import report
+from kvconductor.tools.bench.fixed_answer import fixed_answer_figure
+from kvconductor.tools.bench.http_load import http_figure
+from kvconductor.tools.bench.measure import forked, summary, warm_memory
+from kvconductor.tools.bench.peers import ALL_PEERS, Peer, dynamo_available
+from kvconductor.tools.bench.runners import apply_figure, scale_figure, strip_answers
+from kvconductor.tools.bench.workload import Workload, WorkloadConfig, generate
 
 Log = Callable[[str], None]
 
@@ -45,7 +45,7 @@ class Options:
     e2e_repeats: int = 3
     e2e_seconds: float = 10.0  # of the half-load phase, per run
     # At most this many runs before the counted ones, reported apart, until
-    # the broker's just-in-time compiler has settled (`bench.e2e.JIT_SETTLED`):
+    # the broker's just-in-time compiler has settled (`kvconductor.tools.bench.e2e.JIT_SETTLED`):
     # the daemon meets a long-running broker, this benchmark one it started
     # (on a fresh broker the first run's half-load p99 was several times the
     # later runs': docs/bench/history.md).
@@ -53,7 +53,7 @@ class Options:
     bootstrap: str | None = None  # a running broker for restore and e2e: none started
     warm_bytes: int = 3 << 30  # fresh memory touched once before measuring
     peers: tuple[str, ...] = ALL_PEERS
-    # Figure 7: ingest of vLLM-shaped records (bench.vllm_engine), in process
+    # Figure 7: ingest of vLLM-shaped records (kvconductor.tools.bench.vllm_engine), in process
     # and, with e2e, through the broker into the daemon (records prequeued).
     vllm: bool = True
     vllm_entries: int = 1_000_000
@@ -103,7 +103,7 @@ class Options:
 def _workload(opts: Options, entries: int, queries: int) -> Workload:
     cfg = WorkloadConfig.for_entries(entries, seed=opts.seed, queries=queries)
     if opts.trace:
-        from bench.trace import trace_workload
+        from kvconductor.tools.bench.trace import trace_workload
 
         return trace_workload(Path(opts.trace), cfg, limit=opts.trace_limit, route=opts.trace_route)
     return generate(cfg)
@@ -129,7 +129,7 @@ def _maybe_broker(opts: Options, log: Log) -> Iterator[str | None]:
     if opts.bootstrap is not None:
         yield opts.bootstrap
         return
-    from bench.restore import local_broker
+    from kvconductor.tools.bench.restore import local_broker
 
     log("starting a local Kafka broker for the restore and end-to-end figures")
     with contextlib.ExitStack() as stack:
@@ -148,7 +148,7 @@ def _maybe_broker(opts: Options, log: Log) -> Iterator[str | None]:
 def _restore_figure(
     w: Workload, bootstrap: str, topic: str, published: dict[str, Any], opts: Options, log: Log
 ) -> dict[str, Any]:
-    from bench.restore import restore_from_topic
+    from kvconductor.tools.bench.restore import restore_from_topic
     from kvconductor.wire.query import TokenQuery
 
     cfg = w.config
@@ -187,7 +187,7 @@ def _restore_figure(
 def _publish_hook(
     w: Workload, bootstrap: str, topic: str, check: int
 ) -> Callable[[Peer], dict[str, Any]]:
-    from bench.restore import publish_snapshot
+    from kvconductor.tools.bench.restore import publish_snapshot
     from kvconductor.wire.query import TokenQuery
 
     cfg = w.config
@@ -220,7 +220,7 @@ def _e2e(
         return {"measured": False, "reason": "no broker"}
     if "kvconductor" not in peers:
         return {"measured": False, "reason": "kvconductor not among the peers"}
-    from bench.e2e import e2e_figure
+    from kvconductor.tools.bench.e2e import e2e_figure
 
     log(
         f"figure 4: end to end through the broker ({opts.e2e_repeats} runs after up to "
@@ -249,7 +249,7 @@ def _replay(w: Workload, bootstrap: str | None, opts: Options, log: Log) -> dict
         return {"measured": False, "reason": "no --trace"}
     if bootstrap is None:
         return {"measured": False, "reason": "no broker (or --no-e2e / --quick)"}
-    from bench.replay import replay_figure
+    from kvconductor.tools.bench.replay import replay_figure
 
     log(f"figure 8: {opts.trace} replayed into the daemon at {opts.trace_speed:g}x its rate")
     return replay_figure(w, bootstrap, opts.trace_speed, Path(opts.out) / "e2e-logs", log)
@@ -259,7 +259,7 @@ def _dynamo_indexer(peers: tuple[str, ...], opts: Options, log: Log) -> str | No
     """None when Dynamo's standalone indexer is measured, else why not (said once)."""
     if "dynamo" not in opts.peers:
         return "not among the peers"
-    from bench.dynamo_indexer import available
+    from kvconductor.tools.bench.dynamo_indexer import available
 
     why = available(opts.dynamo_python)
     if why is not None:
@@ -272,14 +272,14 @@ def _dynamo_indexer(peers: tuple[str, ...], opts: Options, log: Log) -> str | No
 def _ingest(
     bootstrap: str | None, peers: tuple[str, ...], opts: Options, log: Log
 ) -> dict[str, Any]:
-    """Figure 7 on a vLLM fleet of its own (`bench.vllm_engine`)."""
+    """Figure 7 on a vLLM fleet of its own (`kvconductor.tools.bench.vllm_engine`)."""
     if not opts.vllm:
         return {"measured": False, "reason": "skipped (--no-vllm)"}
-    from bench.ingest import ingest_figure
-    from bench.vllm_engine import FleetConfig, fleet_workload
+    from kvconductor.tools.bench.ingest import ingest_figure
+    from kvconductor.tools.bench.vllm_engine import FleetConfig, fleet_workload
 
     if opts.trace:
-        from bench.trace import vllm_trace_workload
+        from kvconductor.tools.bench.trace import vllm_trace_workload
 
         log(
             f"figure 7: ingest of {opts.trace} through vLLM's engine model on "
@@ -303,7 +303,7 @@ def _ingest(
         out["prequeued"] = {"measured": False, "reason": why}
         out["dynamo_indexer"] = {"measured": False, "reason": dynamo}
     else:
-        from bench.ingest import real_path_figure
+        from kvconductor.tools.bench.ingest import real_path_figure
 
         runs = opts.vllm_prequeued_repeats
         log(
@@ -359,7 +359,7 @@ def run(opts: Options, log: Log = print) -> dict[str, Any]:
         after: dict[str, Callable[[Peer], dict[str, Any]]] = {}
         topic = ""
         if opts.restore and bootstrap is not None and "kvconductor" in peers:
-            from bench.restore import new_topic
+            from kvconductor.tools.bench.restore import new_topic
 
             topic = new_topic()
             after["kvconductor"] = _publish_hook(w, bootstrap, topic, 50)

@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from consumers.routing import engine_route, pool_routes
+from kvconductor.consumers.routing import engine_route, pool_routes
 from kvconductor.wire.records import (
     KV_KIND,
     KV_ORIGIN_KEY,

@@ -1,14 +1,14 @@
 """A repeatable measure of in-process ingest (figure 7's workload, reduced).
 
-`gen` steps a vLLM-shaped fleet (`bench.vllm_engine`, churn 0.5 as figure 7)
+`gen` steps a vLLM-shaped fleet (`kvconductor.tools.bench.vllm_engine`, churn 0.5 as figure 7)
 and pickles its records; `run` builds a `Conductor` on the first half
 (untimed) and ingests the second half in the bench's batches. On a loaded
 machine the wall clock is noise, so the figure to compare is instructions,
 under callgrind:
 
-    python -m bench.lane_profile gen --entries 200000 --out /tmp/fleet.pkl
+    python -m kvconductor.tools.bench.lane_profile gen --entries 200000 --out /tmp/fleet.pkl
     valgrind --tool=callgrind --zero-before=os_getppid --dump-before=os_getpgrp \\
-        python -m bench.lane_profile run /tmp/fleet.pkl
+        python -m kvconductor.tools.bench.lane_profile run /tmp/fleet.pkl
 
 `run` calls `os.getppid()` just before the timed half and `os.getpgrp()`
 just after it, so the first dump holds the timed half's instructions only.
@@ -35,10 +35,10 @@ import pickle
 import time
 from pathlib import Path
 
-from bench.cluster import Record
-from bench.peers import INGEST_BATCH
-from bench.vllm_engine import FleetConfig, fleet_workload
 from kvconductor.index.conductor import Conductor
+from kvconductor.tools.bench.cluster import Record
+from kvconductor.tools.bench.peers import INGEST_BATCH
+from kvconductor.tools.bench.vllm_engine import FleetConfig, fleet_workload
 from kvconductor.wire.records import Incoming
 
 

@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 import xxhash
 
-from bench.cluster import NaiveOp, Record
-from bench.workload import Workload
 from kvconductor.index.conductor import Conductor, Incoming
+from kvconductor.tools.bench.cluster import NaiveOp, Record
+from kvconductor.tools.bench.workload import Workload
 from kvconductor.wire.hashing import BASE_SEED
 from kvconductor.wire.query import TokenQuery
 

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 if sharing > owners:
                     continue
                 cmd = [
-                    sys.executable, "-m", "bench.scale", "--point",
+                    sys.executable, "-m", "kvconductor.tools.bench.scale", "--point",
                     "--owners", str(owners), "--entries", str(entries),
                     "--sharing", str(sharing), "--chain", str(args.chain),
                     "--ranks", str(args.ranks), "--queries", str(args.queries),

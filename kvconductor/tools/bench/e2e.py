@@ -57,17 +57,17 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import DefaultPartitioner
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import raw_http
+from kvconductor.bridge.config import BridgeSettings
+from kvconductor.tools.bench import raw_http
 
 # The simulated engines' own BlockStored shape, for the probes.
-from bench.cluster import Record
-from bench.dynamo_indexer import RATE_CLIENTS, RATE_REQUESTS, Http
-from bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
-from bench.peers import KvconductorPeer
-from bench.restore import broker_pid
-from bench.runners import per_unit
-from bench.workload import Workload
-from kvconductor.bridge.config import BridgeSettings
+from kvconductor.tools.bench.cluster import Record
+from kvconductor.tools.bench.dynamo_indexer import RATE_CLIENTS, RATE_REQUESTS, Http
+from kvconductor.tools.bench.measure import forked, jit_cpu_s, percentile, process_cpu_s, summary
+from kvconductor.tools.bench.peers import KvconductorPeer
+from kvconductor.tools.bench.restore import broker_pid
+from kvconductor.tools.bench.runners import per_unit
+from kvconductor.tools.bench.workload import Workload
 from kvconductor.tools.kafka_local import broker as kafka_local
 from kvconductor.wire.encode import vllm_payload, vllm_stored
 from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_SOURCE
@@ -249,7 +249,7 @@ class _Paced:
 class _ProbeClient:
     """The probe queries' connections to the daemon, one a query in flight.
 
-    `bench.raw_http`'s, not aiohttp's client: at a round every `POLL_S`
+    `kvconductor.tools.bench.raw_http`'s, not aiohttp's client: at a round every `POLL_S`
     with a few probes open, aiohttp's CPU per query took a tenth of a core
     from the two the daemon and the broker run on, and most when probes
     pile up, that is, when the daemon is slowest."""

@@ -8,7 +8,7 @@ and client compete for the same two cores the way a co-located router
 would.
 
 The client is what a router's connection pool does at its cheapest: one
-keep-alive HTTP/1.1 connection per concurrent client (`bench.raw_http`).
+keep-alive HTTP/1.1 connection per concurrent client (`kvconductor.tools.bench.raw_http`).
 Both processes' CPU time per query is reported, so the split is visible,
 and every answer is checked byte for byte against the in-process answer to
 the same query.
@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from bench import raw_http
-from bench.measure import forked, percentile, process_cpu_s
-from bench.peers import KvconductorPeer
-from bench.workload import Workload
+from kvconductor.tools.bench import raw_http
+from kvconductor.tools.bench.measure import forked, percentile, process_cpu_s
+from kvconductor.tools.bench.peers import KvconductorPeer
+from kvconductor.tools.bench.workload import Workload
 from kvconductor.wire.query import TokenQuery
 
 CLIENTS = 8

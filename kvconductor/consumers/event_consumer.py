@@ -24,9 +24,9 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError, NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
-from consumers.dead_letters import DeadLetterWriter
-from consumers.fetcher import NativeFetcher
-from consumers.positions import resume_positions
+from kvconductor.consumers.dead_letters import DeadLetterWriter
+from kvconductor.consumers.fetcher import NativeFetcher
+from kvconductor.consumers.positions import resume_positions
 from kvconductor.index.conductor import Conductor, Incoming, Notice
 from kvconductor.obs.logs import RateLimitedLog
 from kvconductor.obs.metrics import Metrics, PartitionRow
@@ -182,7 +182,7 @@ class EventConsumer:
         self.max_records = max_records
         # Scale-out mode: read only the repartitioned topic (see repartitioner).
         self.internal_topic = internal_topic
-        # The native fetch path (consumers/fetcher.py); None: aiokafka's.
+        # The native fetch path (kvconductor/consumers/fetcher.py); None: aiokafka's.
         self.fetcher = fetcher
         if fetcher is not None:
             fetcher.modes = (
@@ -300,7 +300,7 @@ class EventConsumer:
 
     async def _poll_native(self, fetcher: NativeFetcher, timeout_ms: int) -> int:
         """`poll` on the native fetch path: what the fetcher holds is taken
-        under the lock, after any rebalance hook (see consumers/fetcher.py)."""
+        under the lock, after any rebalance hook (see kvconductor/consumers/fetcher.py)."""
         try:
             await fetcher.fill(timeout_ms)
         except OffsetOutOfRangeError as exc:

@@ -1,6 +1,6 @@
 """Figure 7: ingest of vLLM-shaped records, per record, per event and per block.
 
-The records come from `bench.vllm_engine` (one record per engine step,
+The records come from `kvconductor.tools.bench.vllm_engine` (one record per engine step,
 single-hash removals, decode-time single-block stores, prefill stores,
 preemptions). Each peer, in a forked process of its own, builds its index
 on the first half of the stream (untimed) and is timed on the second half:
@@ -13,8 +13,8 @@ where a fleet's indexer spends its life.
 - `naive`: the obvious per-worker sets.
 
 The real path (records pre-produced to the daemon's topics, then
-`kvconductor run` consuming them) is `bench.e2e.prequeued_run`, and
-Dynamo's standalone indexer fed over ZMQ is `bench.dynamo_indexer`; both
+`kvconductor run` consuming them) is `kvconductor.tools.bench.e2e.prequeued_run`, and
+Dynamo's standalone indexer fed over ZMQ is `kvconductor.tools.bench.dynamo_indexer`; both
 run interleaved in `real_path_figure`.
 """
 
@@ -26,11 +26,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import Record
-from bench.measure import forked, summary
-from bench.peers import make_peer, peer_items
-from bench.runners import agreement, cpu_share, device_answers, per_unit, run_order, sync
-from bench.workload import Workload
+from kvconductor.tools.bench.cluster import Record
+from kvconductor.tools.bench.measure import forked, summary
+from kvconductor.tools.bench.peers import make_peer, peer_items
+from kvconductor.tools.bench.runners import (
+    agreement,
+    cpu_share,
+    device_answers,
+    per_unit,
+    run_order,
+    sync,
+)
+from kvconductor.tools.bench.workload import Workload
 
 # Peers of this figure: on vLLM-shaped records every event is a device-tier
 # one, so the device-only kvconductor peer would be the same run twice.
@@ -134,7 +141,7 @@ def real_path_figure(
     runs on the same records; the ratio of their rates run by run.
     `bootstrap` None leaves kvconductor's out, `dynamo` (why the indexer
     cannot run) Dynamo's."""
-    from bench.e2e import DaemonProcess, prequeued_run, reference_answers
+    from kvconductor.tools.bench.e2e import DaemonProcess, prequeued_run, reference_answers
 
     records = w.streams.records
     prompts = [q.tolist() for q in w.queries[:check]]
@@ -149,7 +156,7 @@ def real_path_figure(
             kvc.append(res)
             log(f"  real path run {r + 1}/{repeats} kvconductor run: {_line(res)}")
         if dynamo is None:
-            from bench.dynamo_indexer import THREADS, standalone_run
+            from kvconductor.tools.bench.dynamo_indexer import THREADS, standalone_run
 
             got = forked(
                 lambda r=r: standalone_run(  # type: ignore[misc]

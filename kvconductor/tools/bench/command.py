@@ -1,7 +1,7 @@
 """`kvconductor bench`: kvconductor beside NVIDIA Dynamo's RadixTree (docs/benchmarks.md).
 
 The benchmark is the `bench` package, installed with kvconductor; this module
-only parses the command line, runs `bench.suite` and writes the report.
+only parses the command line, runs `kvconductor.tools.bench.suite` and writes the report.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Any
 from kvconductor.tools.termui import ToolError, fail
 
 if TYPE_CHECKING:
-    from bench.suite import Options
+    from kvconductor.tools.bench.suite import Options
 
 PROG = "kvconductor bench"
 
 
 def _import_bench() -> tuple[Any, Any]:
-    """`bench.suite` and `bench.report`, loaded only once the command line parsed."""
-    return importlib.import_module("bench.suite"), importlib.import_module("bench.report")
+    """`suite` and `report` of this package, loaded only once the command line parsed."""
+    return importlib.import_module(f"{__package__}.suite"), importlib.import_module(
+        f"{__package__}.report"
+    )
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def options_from(args: argparse.Namespace, suite: Any) -> Options:
-    """`bench.suite.Options` for the parsed command line."""
+    """`kvconductor.tools.bench.suite.Options` for the parsed command line."""
     opts: Options = suite.Options.quick() if args.quick else suite.Options()
     for name in (
         "entries",
@@ -180,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli(args: argparse.Namespace) -> int:
     """`kvconductor bench ...` from the main command line (arguments in `rest`)."""
     rest: list[str] = args.rest
-    if rest[:1] == ["scale"]:  # one namespace by owners and entries (bench/scale.py)
-        return int(importlib.import_module("bench.scale").main(rest[1:]))
+    if rest[:1] == ["scale"]:  # one namespace by owners and entries (scale.py)
+        return int(importlib.import_module("kvconductor.tools.bench.scale").main(rest[1:]))
     return main(rest)
 
 

@@ -25,8 +25,14 @@ from pathlib import Path
 
 import msgspec
 
-from bench.vllm_engine import STEP_S, FleetConfig, Request, VllmFleet, fleet_workload_of
-from bench.workload import (
+from kvconductor.tools.bench.vllm_engine import (
+    STEP_S,
+    FleetConfig,
+    Request,
+    VllmFleet,
+    fleet_workload_of,
+)
+from kvconductor.tools.bench.workload import (
     BlockChain,
     Tokens,
     Workload,

@@ -18,7 +18,7 @@ every assigned partition is paused; `fill` calls `getmany` (which returns
 nothing) only so the consumer counts as polled (`max_poll_interval_ms`).
 
 Positions: each assigned partition's is set by the event consumer from
-its assignment hook (the snapshot's offsets, `consumers/positions.py`)
+its assignment hook (the snapshot's offsets, `kvconductor/consumers/positions.py`)
 and by its seeks. A rebalance starts a new generation: answers to
 requests sent before it are dropped, and whatever was fetched but not
 handed out is fetched again from the new positions. `take` runs under the

@@ -1,7 +1,7 @@
 """The seeded workload: multi-turn sessions over shared prompts and documents.
 
 `generate(WorkloadConfig(...))` runs sessions on a simulated cluster
-(`bench.cluster`) until the index would hold `target_entries` live
+(`kvconductor.tools.bench.cluster`) until the index would hold `target_entries` live
 (block, owner) entries and at least `churn * target_entries` GPU blocks
 were evicted, then draws query prompts from the sessions it served. The
 same seed gives byte-identical records.
@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 
 import xxhash
 
-from bench.cluster import Block, Cluster, Instance, Streams
+from kvconductor.tools.bench.cluster import Block, Cluster, Instance, Streams
 from kvconductor.wire.hashing import BASE_SEED
 
 _xxh3 = xxhash.xxh3_64_intdigest

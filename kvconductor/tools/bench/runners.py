@@ -9,9 +9,9 @@
   answers of the first queries, which the runner compares across peers.
 - `length_curve` (inside the scale run): latency against prompt length.
 
-The end-to-end figure (4) is in `bench.e2e`, the HTTP figure in
+The end-to-end figure (4) is in `kvconductor.tools.bench.e2e`, the HTTP figure in
 `bench.http_load`, restore (5) in `bench.restore`, the cost curve at a
-fixed answer (6b) in `bench.fixed_answer`.
+fixed answer (6b) in `kvconductor.tools.bench.fixed_answer`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.measure import forked, percentile, settle, summary
-from bench.peers import Peer, make_peer, peer_items
-from bench.workload import Tokens, Workload
+from kvconductor.tools.bench.measure import forked, percentile, settle, summary
+from kvconductor.tools.bench.peers import Peer, make_peer, peer_items
+from kvconductor.tools.bench.workload import Tokens, Workload
 
 # The pairs whose ratio the report gives: (numerator, denominator). A ratio
 # above 1 means the first is better (faster, or smaller for memory).

@@ -1,6 +1,7 @@
 """The real ingest path's speed on vLLM-shaped records: Kafka → daemon.
 
-    python -m bench.kafka_ingest --bootstrap HOST:PORT [--workload fleet] [--mode daemon]
+    python -m kvconductor.tools.bench.kafka_ingest --bootstrap HOST:PORT \
+        [--workload fleet] [--mode daemon]
 
 Pre-produces the workload's records to fresh topics, then times the index
 from its first fetch to caught up, with the CPU it used:
@@ -18,12 +19,12 @@ from its first fetch to caught up, with the CPU it used:
 - `--kafka-only` (consumer mode): the core takes the records and applies
   none of them: what the Kafka side and the consume loop cost alone.
 - `--set fetch_path=native` (either mode): the daemon's own fetch path
-  (consumers/fetcher.py) in place of aiokafka's fetcher.
+  (kvconductor/consumers/fetcher.py) in place of aiokafka's fetcher.
 
 Two workloads (`--workload`):
 
-- `fleet` (default): figure 7's records, as `bench.lane_profile gen` makes
-  them: a vLLM-shaped fleet (`bench.vllm_engine.fleet_workload`, churn
+- `fleet` (default): figure 7's records, as `kvconductor.tools.bench.lane_profile gen` makes
+  them: a vLLM-shaped fleet (`kvconductor.tools.bench.vllm_engine.fleet_workload`, churn
   0.5) stepped until it holds `--entries` blocks (200,000: 24,054
   records, 8.4 events a record), every record with its own timestamp.
   The fairer figure, hence the default: the records are the shape the
@@ -132,14 +133,14 @@ def fixture_records(
 
 def fleet_records(args: argparse.Namespace) -> list[Produced]:
     """Figure 7's records, the first `args.records`: `args.fleet`'s (a
-    `bench.lane_profile gen` output) or generated as it generates them."""
-    from bench.cluster import Record
+    `kvconductor.tools.bench.lane_profile gen` output) or generated as it generates them."""
+    from kvconductor.tools.bench.cluster import Record
 
     made: list[Record]
     if args.fleet:
         made = pickle.loads(Path(args.fleet).read_bytes())
     else:
-        from bench.lane_profile import fleet_records as generate
+        from kvconductor.tools.bench.lane_profile import fleet_records as generate
 
         made = generate(args.entries, args.seed)
     # Their clock moved to now, spacing kept: the broker's retention (by
@@ -319,10 +320,10 @@ class _Untouched:
 async def run_consumer(
     bootstrap: str, tag: str, group: str, args: argparse.Namespace, profile_to: str | None
 ) -> dict[str, float]:
-    from consumers.dead_letters import DeadLetterWriter
-    from consumers.event_consumer import EventConsumer
-    from consumers.fetcher import native_fetcher
     from kvconductor.config import kafka_fetch_options, load_config
+    from kvconductor.consumers.dead_letters import DeadLetterWriter
+    from kvconductor.consumers.event_consumer import EventConsumer
+    from kvconductor.consumers.fetcher import native_fetcher
     from kvconductor.index.conductor import Conductor
     from kvconductor.obs.metrics import Metrics
 
@@ -440,7 +441,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--entries", type=int, default=200_000, help="fleet: blocks it holds")
     p.add_argument("--seed", type=int, default=7, help="fleet: its seed")
     p.add_argument(
-        "--fleet", metavar="FILE", help="fleet: `bench.lane_profile gen`'s records, not generated"
+        "--fleet", metavar="FILE", help="fleet: `lane_profile gen`'s records, not generated"
     )
     p.add_argument("--instances", type=int, default=64, help="fixture: instances at a time")
     p.add_argument("--partitions", type=int, default=6)

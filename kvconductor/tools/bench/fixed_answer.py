@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from bench.cluster import Record, dynamo_stored, engine_record
-from bench.measure import forked, summary
-from bench.peers import KvconductorPeer, Peer, make_peer, peer_items
-from bench.report import cpu_probe_ms, fixed_ok
-from bench.runners import device_answers, sync, timed_rounds
-from bench.workload import Tokens, Workload
+from kvconductor.tools.bench.cluster import Record, dynamo_stored, engine_record
+from kvconductor.tools.bench.measure import forked, summary
+from kvconductor.tools.bench.peers import KvconductorPeer, Peer, make_peer, peer_items
+from kvconductor.tools.bench.report import cpu_probe_ms, fixed_ok
+from kvconductor.tools.bench.runners import device_answers, sync, timed_rounds
+from kvconductor.tools.bench.workload import Tokens, Workload
 from kvconductor.wire.encode import vllm_stored
 from kvconductor.wire.hashing import BASE_SEED
 from kvconductor.wire.records import KV_OFFLOAD, KV_SEQ

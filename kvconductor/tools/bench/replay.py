@@ -1,7 +1,7 @@
 """Figure 8: a Mooncake trace replayed through the broker at its own rate.
 
 The trace's requests, routed over the fleet's instances and run through
-vLLM's engine model (`bench.trace.vllm_trace_workload`), become one record
+vLLM's engine model (`kvconductor.tools.bench.trace.vllm_trace_workload`), become one record
 per engine step, stamped at the step's time. Here they are produced to the
 daemon's topics at that time (times `speed`) while `kvconductor run`
 consumes them, and:
@@ -11,7 +11,7 @@ consumes them, and:
   to consume the rest (`catch_up_s`). It kept up when the backlog it ends
   with is under `KEPT_UP_S` of work;
 - queries: one client asks `/query` for the workload's prompts back to back
-  (`bench.raw_http`'s keep-alive connection, ~25 us of CPU a request), and
+  (`kvconductor.tools.bench.raw_http`'s keep-alive connection, ~25 us of CPU a request), and
   its latencies give p50/p99: what a router sees while the fleet publishes.
 """
 
@@ -26,15 +26,15 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from bench import raw_http
-from bench.e2e import (
+from kvconductor.tools.bench import raw_http
+from kvconductor.tools.bench.e2e import (
     DaemonProcess,
     bridge_like_producer,
     create_event_topics,
     frozen_run,
 )
-from bench.measure import forked, percentile, process_cpu_s
-from bench.workload import Tokens, Workload
+from kvconductor.tools.bench.measure import forked, percentile, process_cpu_s
+from kvconductor.tools.bench.workload import Tokens, Workload
 
 LAG_EVERY_S = 0.5
 KEPT_UP_S = 1.0  # the backlog left at the end, in seconds of consuming it

@@ -27,7 +27,7 @@ how the pool works, and that this module reproduces:
 The same engine model runs every instance of a fleet (`VllmFleet`), on
 sessions whose next turn's prompt is the previous prompt, the answer and a
 new user message, over shared system prompts and documents. The output is
-`bench.cluster.Streams`, one mark per record, so every figure that takes a
+`kvconductor.tools.bench.cluster.Streams`, one mark per record, so every figure that takes a
 workload takes this one.
 """
 
@@ -46,7 +46,7 @@ from typing import Any
 
 import msgspec
 
-from bench.cluster import (
+from kvconductor.tools.bench.cluster import (
     Block,
     NaiveOp,
     Record,
@@ -55,7 +55,7 @@ from bench.cluster import (
     dynamo_stored,
     engine_record,
 )
-from bench.workload import (
+from kvconductor.tools.bench.workload import (
     BlockChain,
     Tokens,
     Workload,
