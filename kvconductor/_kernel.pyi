@@ -142,6 +142,7 @@ class EngineLane:
         seed: int,
         max_blocks: int,
         pool_mode: bool,
+        reannounces: bool,
         kind0: str | None,
         rank: int,
         last_seq: int | None,

@@ -13,7 +13,8 @@ State per namespace:
 - ``own[(instance, rank, tier)]``: ``{seq: chain}``, an engine rank's tier;
   ``copies[(instance, rank, tier, seq)]``: how many copies beyond the first
   it holds (contract v2: a store of a held block adds a copy, a removal
-  takes one, a store from the root of blocks all held is a re-announcement).
+  takes one; where the engine declares `kv-report-mode: full`, a store from
+  the root of blocks all held is a re-announcement).
 - ``pools[(backend, medium)]``: ``{seq: chain}``, a pool store; its class
   (host or disk) follows from the medium name.
 - ``intents``: ``{seq: chain}``, offload intents pinning their content
@@ -365,7 +366,8 @@ class ReferenceModel:
         if not intent:
             mine = ns.own.get((instance, rank, tier), {})
             held = [seq for seq in ev.block_hashes if seq in mine]
-            if not (ev.parent_block_hash is None and len(held) == len(ev.block_hashes)):
+            root = ev.parent_block_hash is None and len(held) == len(ev.block_hashes)
+            if not (meta.report_full and root):
                 ns.add_copies(instance, rank, tier, held)
         if ev.token_ids:
             blocks = token_blocks(ev.token_ids, meta.block_size)

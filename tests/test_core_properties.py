@@ -50,7 +50,8 @@ NOW = 1000.0
 MASK = (1 << 64) - 1
 LORAS: tuple[str | None, ...] = (None, "ad-a")
 # instance -> (offload to pool?, hashing scheme)
-INSTANCES = {"i0": (False, "A"), "i1": (False, "B"), "i2": (True, "A")}
+# instance -> (offloads into the pool, hash scheme, declares `kv-report-mode: full`)
+INSTANCES = {"i0": (False, "A", True), "i1": (False, "B", False), "i2": (True, "A", False)}
 BACKENDS = ("p0", "p1")
 ENGINE_MEDIA = (None, "GPU", "gpu", "CPU", "cpu_pinned", "DISK", "nvme", "tape")
 POOL_MEDIA = (None, "cpu", "CPU", "disk", "gpu", "nvme", "tape")
@@ -81,6 +82,7 @@ def engine_meta(instance: str, block_size: int) -> EngineMeta:
         salt="",
         dp_rank=0,
         offload_pool=INSTANCES[instance][0],
+        report_full=INSTANCES[instance][2],
     )
 
 

@@ -162,12 +162,15 @@ def test_chain_across_batches_and_middle_removal() -> None:
     assert hits(ix) == (24, 24, 24)
 
 
-def test_tier_is_a_set() -> None:
+@pytest.mark.parametrize("report_full", [False, True])
+def test_a_store_of_held_blocks_from_the_first(report_full: bool) -> None:
+    """A re-announcement where the engine declares it re-announces
+    (`kv-report-mode: full`), copies where it does not (vLLM's default)."""
     ix = Index()
-    engine(ix, "a", stored(0, 2))
-    engine(ix, "a", stored(0, 2))
-    engine(ix, "a", BlockRemoved([seq(1)]))
-    assert hits(ix) == (4, 4, 4)
+    engine(ix, "a", stored(0, 2), report_full=report_full)
+    engine(ix, "a", stored(0, 2), report_full=report_full)
+    engine(ix, "a", BlockRemoved([seq(1)]), report_full=report_full)
+    assert hits(ix) == ((4, 4, 4) if report_full else (8, 8, 8))
 
 
 def test_media_map_to_tiers_and_unknown_is_skipped() -> None:

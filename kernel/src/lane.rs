@@ -77,6 +77,8 @@ struct Ctx {
     seed: u64,
     max_blocks: usize,
     pool_mode: bool,
+    /// The instance may re-announce held blocks (`kv-report-mode: full`).
+    reannounces: bool,
     kind0: Option<String>,
     rank: u32,
     applied: [u64; TIERS],
@@ -392,7 +394,7 @@ impl Stage<'_, '_> {
                 held += 1; // held before this event (not a repeat within it)
             }
         }
-        if held == n && ev.parent.is_none() {
+        if held == n && ev.parent.is_none() && ctx.reannounces {
             // A re-announcement (`NamespaceIndex._copies`): nothing changes.
             return Some(());
         }
@@ -804,7 +806,7 @@ impl EngineLane {
     /// its instance's `name`, the owner's `slot` in `store` for `rank`,
     /// and the facts the caller checked (see the module doc).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (id, name, store, pending, waiting, children, unresolved, max_pending_age, slot, block_size, seed, max_blocks, pool_mode, kind0, rank, last_seq))]
+    #[pyo3(signature = (id, name, store, pending, waiting, children, unresolved, max_pending_age, slot, block_size, seed, max_blocks, pool_mode, reannounces, kind0, rank, last_seq))]
     fn add_context(
         &mut self,
         id: usize,
@@ -820,6 +822,7 @@ impl EngineLane {
         seed: u64,
         max_blocks: usize,
         pool_mode: bool,
+        reannounces: bool,
         kind0: Option<String>,
         rank: u32,
         last_seq: Option<u64>,
@@ -845,6 +848,7 @@ impl EngineLane {
             seed,
             max_blocks,
             pool_mode,
+            reannounces,
             kind0,
             rank,
             applied: [0; TIERS],

@@ -8,13 +8,17 @@ on the instance's alignment `A` (the namespace's `kv-block-size`), that
 *every* group can serve (vLLM's `HybridKVCacheCoordinator`; the rules are
 in docs/hybrid-models.md).
 
-The index keeps an instance's primary group (group 0, or no group, of a
-full-attention kind or none given: `FULL_KINDS`) in the
-namespace's block store like any dense instance, so that the walk over the
-owner bitmasks gives its full-attention prefix. Every other group of an
-owner is a `GroupState` here. Engine hashes name a prefix end position for
-every group (vLLM puts no group in the hash), so a group's block is keyed by
-the content of the prefix it ends, independent of the group:
+The index keeps an instance's primary group (`primary_group`: its
+full-attention group of the lowest index, whatever its place among the
+others; a dense instance's only group) in the namespace's block store like
+any dense instance, so that the walk over the owner bitmasks gives its
+full-attention prefix. Every other group of an owner is a `GroupState`
+here. vLLM numbers groups by the first layer of each kind in layer order, so
+Gemma 3 (five sliding-window layers, then a full one) has its full-attention
+group last and GPT-OSS at 1: group order carries no meaning. Engine hashes
+name a prefix end position for every group (vLLM puts no group in the hash),
+so a group's block is keyed by the content of the prefix it ends,
+independent of the group:
 
 - a block ending on a multiple of `A` by that prefix's identity, the one the
   store's chains give (`hashing`);
@@ -49,6 +53,24 @@ LOCAL_KINDS = frozenset({"chunked_local_attention", "chunked_local"})
 # Not prefix-cacheable: vLLM neither caches nor looks these groups up.
 UNCACHED_KINDS = frozenset({"encoder_only_attention", "cross_attention"})
 KNOWN_KINDS = FULL_KINDS | WINDOW_KINDS | STATE_KINDS | LOCAL_KINDS | UNCACHED_KINDS
+
+
+def primary_group(groups: dict[int, str]) -> int:
+    """The index of an instance's primary group, from its groups' kinds as
+    stores named them: the lowest full-attention one; with none, group 0
+    (a dense instance that names no kind)."""
+    return min((g for g, kind in groups.items() if kind in FULL_KINDS), default=0)
+
+
+def is_primary(group: int, kind: str | None, primary: int) -> bool:
+    return group == primary and (kind is None or kind in FULL_KINDS)
+
+
+def is_hybrid(groups: dict[int, str]) -> bool:
+    """Whether an instance's stores named a group beside its primary one."""
+    primary = primary_group(groups)
+    return any(not is_primary(g, kind, primary) for g, kind in groups.items())
+
 
 # A window or chunk beyond this many tokens is taken as a bad spec.
 MAX_WINDOW = 1 << 24

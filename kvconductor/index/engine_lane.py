@@ -31,7 +31,7 @@ from collections.abc import Callable, Generator
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
-from kvconductor.index.cache_groups import FULL_KINDS
+from kvconductor.index.cache_groups import FULL_KINDS, is_hybrid
 from kvconductor.index.namespace import NamespaceIndex, NamespaceKey, namespace_key
 from kvconductor.kernel import KERNEL
 from kvconductor.wire.errors import BadRecord
@@ -188,6 +188,7 @@ class EngineLane:
             ns.seed,
             index.limits.max_blocks_per_owner,
             meta.offload_pool,
+            meta.report_full and not is_hybrid(state.groups),
             state.groups.get(0),
             rank,
             state.last_seq.get(rank),

@@ -12,11 +12,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvconductor.index.cache_groups import (
-    FULL_KINDS,
     KNOWN_KINDS,
     MAX_WINDOW,
     UNCACHED_KINDS,
     WINDOW_KINDS,
+    is_hybrid,
+    is_primary,
+    primary_group,
 )
 from kvconductor.index.limits import IndexLimits as IndexLimits
 from kvconductor.index.namespace import Dirty, NamespaceIndex, NamespaceKey, namespace_key
@@ -35,6 +37,7 @@ from kvconductor.wire.events import (
     BlockRemoved,
     BlockStored,
     EngineBatch,
+    EngineEvent,
     PoolBatch,
     PoolEvent,
 )
@@ -178,12 +181,14 @@ class Index:
             return 0
         state.last_event_ts = self.now
         self.dirty.instances.add(instance)
+        self._learn_groups(state, batch.events)
+        primary = primary_group(state.groups)
         done = 0
-        for ev in batch.events:
+        for ev in self._apply_order(state, primary, batch.events):
             if isinstance(ev, BlockStored):
-                done += self._engine_stored(instance, state, rank, meta, ev)
+                done += self._engine_stored(instance, state, rank, meta, ev, primary)
             elif isinstance(ev, BlockRemoved):
-                done += self._engine_removed(instance, state, rank, meta, ev)
+                done += self._engine_removed(instance, state, rank, meta, ev, primary)
             elif isinstance(ev, AllBlocksCleared):
                 for key in list(state.namespaces):
                     ns = self.namespaces.get(key)
@@ -194,8 +199,57 @@ class Index:
         self._note_idle(instance, state)
         return done
 
+    def _learn_groups(self, state: InstanceState, events: Sequence[EngineEvent]) -> None:
+        """The kinds of the groups a record's stores name first, before any
+        of its events applies: which group is primary decides where each
+        event goes, and a removal names only its group."""
+        groups = state.groups
+        for ev in events:
+            if isinstance(ev, BlockStored) and ev.spec_kind is not None:
+                group = ev.group_idx or 0
+                if group not in groups:
+                    self._group_kind(state, group, ev.spec_kind, len(ev.block_hashes))
+
+    def _apply_order(
+        self, state: InstanceState, primary: int, events: list[EngineEvent]
+    ) -> list[EngineEvent]:
+        """A record's events in the order they apply: between two clears,
+        the primary group's first, then the other groups', each in its own
+        order. vLLM emits one store per group in group order, so a window
+        group listed before the full-attention group names blocks whose
+        positions only that later store tells (`cache_groups.locate`);
+        groups hold their blocks apart, so no other outcome changes."""
+        groups = state.groups
+
+        def primary_event(ev: EngineEvent) -> bool:
+            if isinstance(ev, AllBlocksCleared):
+                return True
+            group = ev.group_idx or 0
+            return is_primary(group, groups.get(group), primary)
+
+        if all(map(primary_event, events)):
+            return events
+        out: list[EngineEvent] = []
+        later: list[EngineEvent] = []
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                out += later
+                later.clear()
+                out.append(ev)
+            elif primary_event(ev):
+                out.append(ev)
+            else:
+                later.append(ev)
+        return out + later
+
     def _engine_stored(
-        self, instance: str, state: InstanceState, rank: int, meta: EngineMeta, ev: BlockStored
+        self,
+        instance: str,
+        state: InstanceState,
+        rank: int,
+        meta: EngineMeta,
+        ev: BlockStored,
+        primary_idx: int,
     ) -> int:
         counters = self.counters
         n = len(ev.block_hashes)
@@ -211,7 +265,7 @@ class Index:
         if kind in UNCACHED_KINDS:
             counters["non_prefix_group_skipped"] += n
             return 0
-        primary = not group and (kind is None or kind in FULL_KINDS)
+        primary = is_primary(group, kind, primary_idx)
         size = ev.block_size
         if size is not None and size != meta.block_size and size % meta.block_size:
             # A smaller primary block is a partial-block key off the hit
@@ -277,6 +331,7 @@ class Index:
                 ev.token_ids,
                 ev.extra_keys,
                 size,
+                meta.report_full and not is_hybrid(state.groups),
             )
             self.applied[(meta.source, TIER_NAMES[tier])] += done
         self._gc(ns)
@@ -296,7 +351,13 @@ class Index:
         return ""
 
     def _engine_removed(
-        self, instance: str, state: InstanceState, rank: int, meta: EngineMeta, ev: BlockRemoved
+        self,
+        instance: str,
+        state: InstanceState,
+        rank: int,
+        meta: EngineMeta,
+        ev: BlockRemoved,
+        primary_idx: int,
     ) -> int:
         group = ev.group_idx or 0
         kind = state.groups.get(group)
@@ -307,7 +368,7 @@ class Index:
         if tier is None:
             self.counters["unknown_medium"] += len(ev.block_hashes)
             return 0
-        primary = not group and (kind is None or kind in FULL_KINDS)
+        primary = is_primary(group, kind, primary_idx)
         if not primary and tier != DEVICE:
             self.counters["group_lower_tier_skipped"] += len(ev.block_hashes)
             return 0
@@ -481,9 +542,7 @@ class Index:
         """Whether the instance's stores named KV-cache groups beyond a
         primary full-attention one."""
         state = self.instances.get(instance)
-        return state is not None and any(
-            group or kind not in FULL_KINDS for group, kind in state.groups.items()
-        )
+        return state is not None and is_hybrid(state.groups)
 
     def query_local_hashes(
         self, tenant: str, model: str, local: list[int]

@@ -514,11 +514,13 @@ class NamespaceIndex:
         token_ids: Tokens | None,
         extra: Sequence[int | None] | None,
         block_size: int | None = None,
+        reannounces: bool = False,
     ) -> int:
         """An engine stores blocks in its own tier; returns blocks placed now.
 
         `block_size`: the event's, a multiple of the namespace's (each block
-        is held as that many units)."""
+        is held as that many units). `reannounces`: the instance may
+        re-announce blocks it holds (`_copies`)."""
         owner = self._owner(instance, rank)
         if owner is None:
             self.counters["owner_limit_dropped"] += len(seqs)
@@ -531,7 +533,7 @@ class NamespaceIndex:
             seqs, extra = unit_seqs(seqs, units), unit_extra(extra, units)
         copies = 0
         if self.store.count_new(owner.slot, tier, seqs) != len(seqs):
-            copies = self._copies(owner, tier, seqs, parent)
+            copies = self._copies(owner, tier, seqs, parent, reannounces)
         if self.store.owner_size(owner.slot) >= self.max_blocks_per_owner:
             # A full owner's store is dropped whole, before any of it can wait
             # in the pending queue for a parent that was itself dropped.
@@ -548,18 +550,23 @@ class NamespaceIndex:
         self._retire_if_empty(owner)
         return placed + copies
 
-    def _copies(self, owner: Owner, tier: int, seqs: Sequence[int], parent: int | None) -> int:
+    def _copies(
+        self, owner: Owner, tier: int, seqs: Sequence[int], parent: int | None, reannounces: bool
+    ) -> int:
         """Count a copy of each block of a store that the tier holds already.
 
-        On a single-group owner a store from the first block (no parent) of
-        blocks all held is a re-announcement (vLLM's `kv_cache_report_mode:
-        "full"` re-emits the blocks a request reuses), not new copies. A
-        hybrid owner recomputes and stores such blocks again whenever its
-        other groups cut the hit short, so there they are copies."""
+        Where the instance may re-announce (vLLM's `kv_cache_report_mode:
+        "full"` re-emits the blocks a request reuses, and the caller knows
+        it is not hybrid), a store from the first block (no parent) of
+        blocks all held is a re-announcement, not new copies. Elsewhere no
+        shape tells the two apart and every such store is copies: a prompt
+        of one block, fully cached, makes vLLM recompute that block into a
+        second copy, and a hybrid instance recomputes whenever its other
+        groups cut the hit short."""
         store = self.store
         slot = owner.slot
         held = [seq for seq in seqs if not store.count_new(slot, tier, (seq,))]
-        if parent is None and len(held) == len(seqs) and not owner.groups:
+        if reannounces and parent is None and len(held) == len(seqs):
             return 0
         copies = owner.copies
         for seq in held:

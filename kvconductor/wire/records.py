@@ -19,6 +19,10 @@ KV_TENANT = "kv-tenant"
 KV_SALT = "kv-salt"
 KV_DP_RANK = "kv-dp-rank"
 KV_OFFLOAD = "kv-offload"
+# Whether the engine re-announces the blocks a request reuses (vLLM's
+# `kv_cache_report_mode`, set per request: `incremental`, its default, never
+# does; `full` may): only then is a store of held blocks possibly not a copy.
+KV_REPORT_MODE = "kv-report-mode"
 # A bridge's control records (`ControlMeta`):
 KV_CONTROL = "kv-control"
 KV_CONTROL_REASON = "kv-control-reason"
@@ -49,6 +53,7 @@ class Incoming(NamedTuple):
 
 SOURCES = frozenset({"vllm", "sglang", "trtllm"})
 OFFLOAD_MODES = frozenset({"local", "pool"})
+REPORT_MODES = frozenset({"incremental", "full"})
 
 
 class EngineMeta(NamedTuple):
@@ -60,6 +65,8 @@ class EngineMeta(NamedTuple):
     salt: str
     dp_rank: int
     offload_pool: bool
+    # `kv-report-mode: full`: the engine may re-announce reused blocks.
+    report_full: bool = False
 
 
 class ControlMeta(NamedTuple):
@@ -157,6 +164,9 @@ def engine_meta(h: HeaderMap) -> EngineMeta:
     offload = h.get(KV_OFFLOAD, "local").lower() or "local"
     if offload not in OFFLOAD_MODES:
         raise InvalidHeader(f"header kv-offload must be local or pool: {offload!r}")
+    report = h.get(KV_REPORT_MODE, "incremental").lower() or "incremental"
+    if report not in REPORT_MODES:
+        raise InvalidHeader(f"header kv-report-mode must be incremental or full: {report[:40]!r}")
     return EngineMeta(
         model=model,
         block_size=block_size,
@@ -166,6 +176,7 @@ def engine_meta(h: HeaderMap) -> EngineMeta:
         salt=_name(h, KV_SALT) or "",
         dp_rank=_int(h, KV_DP_RANK, 0, _MAX_RANK) or 0,
         offload_pool=offload == "pool",
+        report_full=report == "full",
     )
 
 
