@@ -65,7 +65,7 @@ from kvconductor.tools.bench.workload import (
     zipf,
 )
 from kvconductor.wire.encode import VllmEvent, vllm_removed, vllm_stored
-from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_SOURCE
+from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_REPORT_MODE, KV_SOURCE
 
 # One engine step, in seconds of the simulated clock (the fixture's).
 STEP_S = 0.025
@@ -444,6 +444,10 @@ class VllmFleet:
             (KV_BLOCK_SIZE, str(cfg.engine.block_size).encode()),
             (KV_SOURCE, b"vllm"),
         ]
+        if cfg.engine.report_full_share:
+            # Its requests re-announce what they reuse: declared, as the
+            # bridge declares it from the registration.
+            self.headers.append((KV_REPORT_MODE, b"full"))
         self.seqs = [0] * cfg.instances
         self.streams = Streams()
         self.steps = 0
