@@ -132,12 +132,11 @@ class EngineLane:
 
     def _decline(self, rec: Incoming) -> None:
         key = rec.key
-        if isinstance(key, bytes) and not rec.pool and key.decode("utf-8", "replace") in (
-            self.index.instances
-        ):
-            self.declined[key] = self.strikes[key] = min(
-                2 * self.strikes.get(key, 1), DECLINE_MAX
-            )
+        if rec.pool or not isinstance(key, bytes):
+            return
+        if key.decode("utf-8", "replace") in self.index.instances:
+            n = min(2 * self.strikes.get(key, 1), DECLINE_MAX)
+            self.declined[key] = self.strikes[key] = n
 
     def forget(self, key: bytes | str | None) -> None:
         """The Python path applied a record of this instance."""
