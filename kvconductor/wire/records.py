@@ -19,6 +19,7 @@ KV_TENANT = "kv-tenant"
 KV_SALT = "kv-salt"
 KV_DP_RANK = "kv-dp-rank"
 KV_OFFLOAD = "kv-offload"
+KV_REPORT_MODE = "kv-report-mode"
 # A bridge's control records (`ControlMeta`):
 KV_CONTROL = "kv-control"
 KV_CONTROL_REASON = "kv-control-reason"
