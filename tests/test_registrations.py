@@ -206,6 +206,9 @@ def test_absent_means_the_default_for_the_stream_and_nothing_for_the_rest() -> N
     merged = merge_registrations(router, spelt)
     assert (merged.tenant_id, merged.lora_name, merged.type) == ("default", "", "vLLM")
     assert to_publisher(merged).offload == "local" and merged.kv_report_mode == "full"
+    # Set in both, spelt differently but read alike: no contradiction.
+    spelt_pool = as_body(engine_body(kv_offload="POOL", type="VLLM"))
+    assert merge_registrations(as_body(engine_body()), spelt_pool) == as_body(engine_body())
     # A null tenant is `default`, not silence: another tenant contradicts it.
     with pytest.raises(InvalidRegistration) as info:
         merge_registrations(as_body(engine_body()), as_body(conductor_body(tenant_id="t")))

@@ -289,15 +289,16 @@ def to_publisher(body: RegisterBody) -> PublisherConfig:
         raise InvalidRegistration(f"{field}:{why}", field=field) from None
 
 
+def read_as(body: RegisterBody) -> tuple[PublisherConfig, HashProfile | None, int | None]:
+    """What a valid body registers, however its defaults and names are
+    spelt: its publisher, profile and cache group (every field of the body
+    is read into one of them)."""
+    return to_publisher(body), body.hash_profile, body.cache_group
+
+
 def same_registration(a: RegisterBody, b: RegisterBody) -> bool:
-    """Whether two valid bodies register the same thing (a repeat): the
-    same publisher, profile and cache group, however the defaults were
-    spelt."""
-    return (
-        to_publisher(a) == to_publisher(b)
-        and a.hash_profile == b.hash_profile
-        and a.cache_group == b.cache_group
-    )
+    """Whether two valid bodies register the same thing (a repeat)."""
+    return read_as(a) == read_as(b)
 
 
 # The fields that name a stream (instance, rank, socket, kind) and its
@@ -330,6 +331,7 @@ def merge_registrations(old: RegisterBody, new: RegisterBody) -> RegisterBody:
     (naming the field) where they contradict each other: a stream field
     that differs as read, or an optional field both set differently."""
     pub_old, pub_new = to_publisher(old), to_publisher(new)
+    registered = read_as(old)
     merged: dict[str, object] = {}
     for f in msgspec.structs.fields(RegisterBody):
         mine, theirs = getattr(old, f.name), getattr(new, f.name)
@@ -337,7 +339,14 @@ def merge_registrations(old: RegisterBody, new: RegisterBody) -> RegisterBody:
         if attr is not None:
             differs = getattr(pub_old, attr) != getattr(pub_new, attr)
         else:
-            differs = _said(mine) and _said(theirs) and mine != theirs
+            # Set in both: a contradiction unless the two read alike
+            # (`Pool` is `pool`).
+            differs = (
+                _said(mine)
+                and _said(theirs)
+                and mine != theirs
+                and read_as(msgspec.structs.replace(old, **{f.name: theirs})) != registered
+            )
         if differs:
             raise InvalidRegistration(
                 f"conflicting registration for service key {body_key(old)}: {f.name} is "
