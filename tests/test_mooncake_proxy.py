@@ -22,6 +22,7 @@ chose.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import socket
@@ -50,7 +51,10 @@ PYTHON = os.environ.get("KVCONDUCTOR_MOONCAKE_PYTHON", sys.executable)
 
 def proxy_runs() -> bool:
     """Whether PYTHON has the proxy's dependencies."""
-    probe = [PYTHON, "-c", "import fastapi, httpx, uvicorn, msgpack"]
+    needs = ("fastapi", "httpx", "uvicorn", "msgpack")
+    if sys.executable == PYTHON:
+        return all(importlib.util.find_spec(name) is not None for name in needs)
+    probe = [PYTHON, "-c", f"import {', '.join(needs)}"]
     try:
         return subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
