@@ -28,7 +28,6 @@ Exit status 1 with one line per problem.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -47,7 +46,7 @@ K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
-METADATA = {
+METADATA: dict[str, Any] = {
     "type": "object",
     "required": ["name", "namespace"],
     "properties": {
@@ -85,7 +84,9 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
                     "replicas": {"type": "integer", "minimum": 1, "maximum": 32767},
                     "config": {
                         "type": "object",
-                        "additionalProperties": {"type": ["string", "integer", "number", "boolean"]},
+                        "additionalProperties": {
+                            "type": ["string", "integer", "number", "boolean"]
+                        },
                     },
                 },
             },
@@ -116,7 +117,9 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
                     "namespaceSelector": {
                         "type": "object",
                         "additionalProperties": False,
-                        "properties": {"matchNames": {"type": "array", "items": {"type": "string"}}},
+                        "properties": {
+                            "matchNames": {"type": "array", "items": {"type": "string"}}
+                        },
                     },
                     "endpoints": {
                         "type": "array",
@@ -180,7 +183,9 @@ def schema_problems(obj: dict[str, Any]) -> list[str]:
             where = ".".join(map(str, exc.path))
             problems.append(f"{label(obj)}: Kubernetes {version}: {where}: {exc.message}")
         except kubernetes_validate.SchemaNotFoundError:
-            problems.append(f"{label(obj)}: Kubernetes {version} has no schema for {obj['apiVersion']}")
+            problems.append(
+                f"{label(obj)}: Kubernetes {version} has no schema for {obj['apiVersion']}"
+            )
     return problems
 
 
@@ -196,7 +201,9 @@ def pod_problems(obj: dict[str, Any]) -> list[str]:
             for how in ("httpGet", "tcpSocket"):
                 port = c.get(probe, {}).get(how, {}).get("port")
                 if isinstance(port, str) and port not in ports:
-                    problems.append(f"{label(obj)}: {probe} names port {port!r}, not a container port")
+                    problems.append(
+                        f"{label(obj)}: {probe} names port {port!r}, not a container port"
+                    )
         for m in c.get("volumeMounts", []):
             if m["name"] not in volumes:
                 problems.append(f"{label(obj)}: mounts volume {m['name']!r}, which is not declared")
@@ -236,7 +243,9 @@ def container_env(container: Mapping[str, Any], pod_name: str) -> dict[str, str]
     env: dict[str, str] = {}
     for e in container.get("env", []):
         if "value" in e:
-            env[e["name"]] = re.sub(r"\$\(([A-Za-z0-9_]+)\)", lambda m: env.get(m[1], ""), e["value"])
+            env[e["name"]] = re.sub(
+                r"\$\(([A-Za-z0-9_]+)\)", lambda m: env.get(m[1], ""), e["value"]
+            )
         elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
             env[e["name"]] = pod_name
     return env
@@ -294,22 +303,21 @@ def config_problems(objs: list[dict[str, Any]], scratch: Path) -> tuple[list[str
             except ConfigError as exc:
                 problems.append(f"{label(o)} container {c['name']}: {config}: {exc}")
             if "ensure-topics.py" in " ".join(command):
-                problems += topic_problems(objs, path, env, files, root, command)
+                problems += topic_problems(path, env, files, root, command)
     if not loaded and not problems:
         problems.append("no container loads a configuration file")
     return problems, daemon
 
 
 def topic_problems(
-    objs: list[dict[str, Any]],
     config: Path,
     env: Mapping[str, str],
     files: Mapping[str, str],
     root: Path,
     command: list[str],
 ) -> list[str]:
-    """The hook Job's script lists the daemon's topics; KafkaTopics, when
-    rendered, must say the same."""
+    """The hook Job's script runs on its configuration (`--list`: the topics
+    it would create, nothing connected)."""
     script = next(a for a in command if a.endswith("ensure-topics.py"))
     (root / script.lstrip("/")).write_text(files[script])
     run = subprocess.run(
@@ -343,18 +351,27 @@ def kafka_topic_problems(objs: list[dict[str, Any]], cfg: Any) -> list[str]:
         if t is None:
             continue
         if t["partitions"] != spec.partitions:
-            problems.append(f"KafkaTopic {name}: {t['partitions']} partitions, the daemon creates {spec.partitions}")
+            problems.append(
+                f"KafkaTopic {name}: {t['partitions']} partitions, "
+                f"the daemon creates {spec.partitions}"
+            )
         configs = {k: str(v) for k, v in (t.get("config") or {}).items()}
         for key, value in spec.configs.items():
             if configs.get(key) != value:
-                problems.append(f"KafkaTopic {name}: {key}={configs.get(key)!r}, the daemon sets {value!r}")
+                problems.append(
+                    f"KafkaTopic {name}: {key}={configs.get(key)!r}, the daemon sets {value!r}"
+                )
         if spec.replication_factor is not None:
-            factor, min_isr = replication_for(spec, 0, DEFAULT_REPLICATION._replace(
-                min_insync_replicas=cfg.kafka.min_insync_replicas))
+            factor, min_isr = replication_for(
+                spec,
+                0,
+                DEFAULT_REPLICATION._replace(min_insync_replicas=cfg.kafka.min_insync_replicas),
+            )
             if t.get("replicas") != factor or configs.get("min.insync.replicas") != str(min_isr):
                 problems.append(
                     f"KafkaTopic {name}: replicas {t.get('replicas')}, min.insync.replicas "
-                    f"{configs.get('min.insync.replicas')}; the daemon creates {factor} and {min_isr}"
+                    f"{configs.get('min.insync.replicas')}; "
+                    f"the daemon creates {factor} and {min_isr}"
                 )
     return problems
 
@@ -373,8 +390,10 @@ def main(paths: list[str]) -> int:
             found += [f"{path.name}: {p}" for p in config]
         found += [f"{path.name}: {p}" for p in kafka_topic_problems(objs, daemon)]
         kinds = sorted({o["kind"] for o in objs})
-        print(f"validate: {path.name}: {len(objs)} objects ({', '.join(kinds)}): "
-              f"{'ok' if not found else f'{len(found)} problem(s)'}")
+        print(
+            f"validate: {path.name}: {len(objs)} objects ({', '.join(kinds)}): "
+            f"{'ok' if not found else f'{len(found)} problem(s)'}"
+        )
         problems += found
     for p in problems:
         print(f"validate: {p}", file=sys.stderr)

@@ -36,14 +36,22 @@ def main() -> int:
     specs = topic_specs(cfg)
     if args.list:
         for s in specs:
-            print(json.dumps({"name": s.name, "partitions": s.partitions,
-                              "replication_factor": s.replication_factor,
-                              "configs": dict(s.configs)}))
+            print(
+                json.dumps(
+                    {
+                        "name": s.name,
+                        "partitions": s.partitions,
+                        "replication_factor": s.replication_factor,
+                        "configs": dict(s.configs),
+                    }
+                )
+            )
         return 0
     k = cfg.kafka
     try:
-        asyncio.run(ensure_service_topics(k, f"{k.client_id}-topics",
-                                          kafka_client_options(k), specs))
+        asyncio.run(
+            ensure_service_topics(k, f"{k.client_id}-topics", kafka_client_options(k), specs)
+        )
     except FatalError as exc:
         print(f"kvconductor topics: {exc}", file=sys.stderr)
         return 1
