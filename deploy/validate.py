@@ -1,6 +1,7 @@
 """Validate what `helm template` rendered from the kvconductor chart.
 
     python deploy/validate.py RENDERED.yaml [RENDERED.yaml ...]
+    python deploy/validate.py --topics-job-against HOST:PORT RENDERED.yaml
 
 Per file, every object:
 
@@ -24,6 +25,9 @@ and across objects, what no schema sees:
   container port; volume mounts name a volume.
 
 Exit status 1 with one line per problem.
+
+With --topics-job-against, it runs the rendered hook Job's script against a
+real broker instead (deploy/check does when CI's broker is there).
 """
 
 from __future__ import annotations
@@ -376,6 +380,48 @@ def kafka_topic_problems(objs: list[dict[str, Any]], cfg: Any) -> list[str]:
     return problems
 
 
+def run_topics_job(path: Path, bootstrap: str) -> int:
+    """Run the hook Job's script, as rendered in `path`, against a real broker
+    at `bootstrap`, twice (the second run finds every topic and checks it),
+    with topic names of its own so that nothing else on that broker is touched."""
+    objs = list(documents(path))
+    job = next(o for o in objs if o["kind"] == "Job")
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    maps = {o["metadata"]["name"]: o["data"] for o in objs if o["kind"] == "ConfigMap"}
+    config_map = next(
+        v["configMap"]["name"]
+        for v in job["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "config"
+    )
+    prefix = f"deploy-check-{os.getpid()}"
+    env = {
+        **os.environ,
+        **container_env(container, "topics"),
+        "KVCONDUCTOR_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "KVCONDUCTOR_LOG_FORMAT": "json",
+        **{
+            f"KVCONDUCTOR_KAFKA_{key}_TOPIC": f"{prefix}-{key.lower()}"
+            for key in ("ENGINE", "POOL", "SNAPSHOT", "DEAD_LETTER")
+        },
+        "KVCONDUCTOR_HTTP_REGISTRATIONS_TOPIC": f"{prefix}-registrations",
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        for key, text in maps[config_map].items():
+            (Path(scratch) / key).write_text(text)
+        command = [sys.executable, "ensure-topics.py", "--config", "kvconductor.toml"]
+        for attempt in ("create", "check"):
+            run = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True)
+            if run.returncode or f"{prefix}-snapshot" not in run.stdout:
+                print(
+                    f"validate: the topics Job's script ({attempt}) on {bootstrap} failed:\n"
+                    f"{run.stdout}{run.stderr}",
+                    file=sys.stderr,
+                )
+                return 1
+    print(f"validate: the topics Job's script created and checked {prefix}-* on {bootstrap}: ok")
+    return 0
+
+
 def main(paths: list[str]) -> int:
     problems: list[str] = []
     counted = 0
@@ -401,4 +447,6 @@ def main(paths: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--topics-job-against"]:
+        sys.exit(run_topics_job(Path(sys.argv[3]), sys.argv[2]))
     sys.exit(main(sys.argv[1:]))

@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaError
 from kvconductor.config import ConfigError, kafka_client_options, load_config
 from kvconductor.kafka.topics import ensure_service_topics, topic_specs
 from kvconductor.lifecycle import FatalError
+from kvconductor.obs import logs
 
 
 def main() -> int:
@@ -48,6 +49,8 @@ def main() -> int:
             )
         return 0
     k = cfg.kafka
+    # The daemon's log lines ("topics created", "topic under-replicated"), as it writes them.
+    logs.setup_logging(cfg.log.level, cfg.log.format)
     try:
         asyncio.run(
             ensure_service_topics(k, f"{k.client_id}-topics", kafka_client_options(k), specs)
@@ -59,6 +62,8 @@ def main() -> int:
         # Unreachable for now: the Job's next attempt (backoffLimit) retries.
         print(f"kvconductor topics: kafka unavailable: {exc!r}", file=sys.stderr)
         return 1
+    finally:
+        logs.drain(5.0)
     print("kvconductor topics: " + ", ".join(s.name for s in specs) + ": ok")
     return 0
 
