@@ -241,10 +241,24 @@ def selector_problems(objs: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-def container_env(container: Mapping[str, Any], pod_name: str) -> dict[str, str]:
-    """The container's environment as the pod would see it (the pod's name
-    where the downward API gives it)."""
+DOCKERFILE = Path(__file__).resolve().parent.parent / "Dockerfile"
+
+
+def image_env() -> dict[str, str]:
+    """The KVCONDUCTOR_* variables the image sets (the Dockerfile's ENV
+    instructions): a container's own env overrides them, the file does not."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
     env: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(re.findall(r"(KVCONDUCTOR_[A-Z0-9_]+)=(\S*)", line))
+    return env
+
+
+def container_env(container: Mapping[str, Any], pod_name: str) -> dict[str, str]:
+    """The container's environment as the pod would see it: the image's, then
+    its own (the pod's name where the downward API gives it)."""
+    env: dict[str, str] = image_env()
     for e in container.get("env", []):
         if "value" in e:
             env[e["name"]] = re.sub(

@@ -346,3 +346,10 @@ two): a JSON list of {name, partitions, compacted}. */}}
 {{- $topics = append $topics (dict "name" ($k.snapshot_topic | default "kv-index-snapshots") "partitions" 1 "compacted" true) -}}
 {{- toJson $topics -}}
 {{- end -}}
+
+{{/* The image's ENV sets KVCONDUCTOR_LOG_FORMAT=json (and the HTTP host),
+which would win over the file: the chart's value is passed the same way. */}}
+{{- define "kvconductor.imageEnvOverrides" -}}
+- name: KVCONDUCTOR_LOG_FORMAT
+  value: {{ (.Values.config.log | default dict).format | default "json" | quote }}
+{{- end -}}
