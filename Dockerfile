@@ -16,7 +16,7 @@
 
 FROM rust:1-slim AS rust
 
-FROM python:3.12-slim AS build
+FROM python:3.11-slim AS build
 # Rust's toolchain from the stage above, and a C linker for it.
 COPY --from=rust /usr/local/cargo /usr/local/cargo
 COPY --from=rust /usr/local/rustup /usr/local/rustup
@@ -31,12 +31,12 @@ COPY kernel ./kernel
 COPY kvconductor ./kvconductor
 # Wheels of kvconductor (with its compiled kernel) and of every dependency,
 # so the runtime stage needs no compiler.
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[bridge]'
 
-FROM python:3.12-slim
+FROM python:3.11-slim
 RUN useradd --system --uid 10001 --no-create-home kvconductor
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels kvconductor && rm -rf /wheels
+RUN pip install --no-cache-dir --no-index --find-links /wheels 'kvconductor[bridge]' && rm -rf /wheels
 # The kernel is optional at install (pyproject.toml): here its absence is a build error.
 RUN python -c "from kvconductor.kernel import KERNEL, STATUS; assert KERNEL, STATUS; print(STATUS)"
 COPY config/ /etc/kvconductor/
