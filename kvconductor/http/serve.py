@@ -31,12 +31,14 @@ async def serve_api(
         max_body_bytes=http.max_body_bytes,
         auth_token=reveal(http.auth_token),
         client_timeout_s=http.client_timeout_s,
+        idle_timeout_s=http.idle_timeout_s,
+        max_requests_per_connection=http.max_requests_per_connection,
         registrations=registrations,
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = QuerySite(runner, http.host, http.port)
+        site = QuerySite(runner, http.host, http.port, max_connections=http.max_connections)
         await site.start()
     except BaseException:
         await runner.cleanup()
