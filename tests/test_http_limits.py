@@ -14,6 +14,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from kvconductor.tools.api_client import metric_sum, parse_metrics
 from kvconductor.tools.kafka_local.broker import free_ports
 from tests.harness import daemon_config
@@ -223,3 +225,20 @@ async def test_the_benchmarks_client_reconnects_after_connection_close() -> None
                 assert status == 200 and body
         finally:
             conn.close()
+
+
+def test_a_limit_past_the_open_file_limit_is_warned_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    import structlog
+
+    from kvconductor.http import serve
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    with structlog.testing.capture_logs() as logs:
+        serve._check_open_files(512)
+        assert logs == []
+        serve._check_open_files(1000)
+    (line,) = logs
+    assert line["log_level"] == "warning"
+    assert line["max_connections"] == 1000 and line["open_file_limit"] == 1024
