@@ -16,6 +16,9 @@
 
 FROM rust:1-slim AS rust
 
+# Python 3.11 in both stages: the kernel reads a prompt's token ids from
+# CPython 3.11's int objects (kernel/src/small_int.rs, compiled for 3.11
+# only, kernel/build.rs), and every figure in docs/benchmarks.md is 3.11's.
 FROM python:3.11-slim AS build
 # Rust's toolchain from the stage above, and a C linker for it.
 COPY --from=rust /usr/local/cargo /usr/local/cargo
@@ -30,7 +33,9 @@ COPY pyproject.toml README.md ./
 COPY kernel ./kernel
 COPY kvconductor ./kvconductor
 # Wheels of kvconductor (with its compiled kernel) and of every dependency,
-# so the runtime stage needs no compiler.
+# so the runtime stage needs no compiler. The `bridge` extra (pyzmq) serves
+# `kvconductor bridge` and the demo engines; the demo's rich is left out
+# (its output is plain text without it).
 RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[bridge]'
 
 FROM python:3.11-slim
