@@ -41,6 +41,10 @@ LAYOUTS: list[tuple[int, list[Spec]]] = [
     (4, [("full_attention", 4, None), ("mamba", 4, None), ("sliding_window", 2, 5)]),
     (4, [("sink_full_attention", 4, None), ("mla_attention", 2, None), ("sliding_window", 4, 13)]),
     (8, [("full_attention", 8, None), ("sliding_window", 4, 9), ("mamba", 8, None)]),
+    # Group order carries no meaning: Gemma 3's full-attention group is its
+    # last, Kimi Linear's follows its state groups.
+    (4, [("sliding_window", 4, 8), ("sliding_window", 2, 5), ("full_attention", 4, None)]),
+    (4, [("mamba", 4, None), ("mamba", 4, None), ("mla_attention", 4, None)]),
 ]
 FULL = {"full_attention", "mla_attention", "sink_full_attention"}
 WINDOW = {"sliding_window", "sliding_window_mla"}

@@ -8,6 +8,8 @@
 
 mod count_map;
 mod engine_wire;
+mod groups;
+mod groups_py;
 mod lane;
 mod query_json;
 mod record_batch;
@@ -183,6 +185,7 @@ fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shape::AnswerShape>()?;
     m.add_class::<lane::EngineLane>()?;
     record_batch::register(m)?;
+    groups_py::register(m)?;
     m.add_function(wrap_pyfunction!(chain_identities, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;

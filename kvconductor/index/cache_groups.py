@@ -32,11 +32,16 @@ Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import xxhash
 
+from kvconductor.kernel import KERNEL
 from kvconductor.wire.events import Tokens
 from kvconductor.wire.hashing import chain_identities, pack_tokens
+
+if KERNEL is not None:
+    from kvconductor import _kernel
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -64,6 +69,18 @@ def primary_group(groups: dict[int, str]) -> int:
 
 def is_primary(group: int, kind: str | None, primary: int) -> bool:
     return group == primary and (kind is None or kind in FULL_KINDS)
+
+
+def lookup_of(kind: str) -> int:
+    """How a group of `kind` is looked up: 0 like full attention (also a
+    kind not known), 1 a window, 2 a state, 3 a chunk."""
+    if kind in WINDOW_KINDS:
+        return 1
+    if kind in STATE_KINDS:
+        return 2
+    if kind in LOCAL_KINDS:
+        return 3
+    return 0
 
 
 def is_hybrid(groups: dict[int, str]) -> bool:
@@ -151,6 +168,38 @@ class Prefix:
         return _xxh3(packed[start : end * 4], ident ^ _SUB_SEED)
 
 
+class Group(Protocol):
+    """What the index keeps of one non-primary group: `GroupState` here,
+    or its compiled twin (`new_group`)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    block_size: int
+    window: int | None
+
+    def __len__(self) -> int: ...
+
+    def add(self, seq: int, key: int) -> None:
+        """Hold one more copy of a block."""
+
+    def remove(self, seq: int) -> bool:
+        """One copy of `seq` leaves; False if the group does not hold it."""
+
+    def clear(self) -> int: ...
+
+    def export(self) -> list[tuple[int, int, int]]:
+        """(engine hash, key, copies) of every block, by hash."""
+
+
+def new_group(kind: str, block_size: int, window: int | None) -> Group:
+    """The compiled group when the kernel is built and allowed, else the
+    reference (held equal by tests/test_hybrid_properties.py)."""
+    if KERNEL is not None:
+        return _kernel.GroupState(kind, block_size, window, lookup_of(kind))
+    return GroupState(kind, block_size, window)
+
+
 class GroupState:
     """One (instance, dp rank)'s blocks in one non-primary KV-cache group:
     copies per engine hash (vLLM keeps and announces several blocks under
@@ -199,6 +248,9 @@ class GroupState:
         self.held.clear()
         self.keys.clear()
         return n
+
+    def export(self) -> list[tuple[int, int, int]]:
+        return [(seq, key, n) for seq, (key, n) in sorted(self.held.items())]
 
     # ---------------------------------------------------------- the hit
 
@@ -260,6 +312,31 @@ class GroupState:
             span = point - start
             out.append(not span % bs and (point % bs == 0 and run[point // bs - 1] >= span // bs))
         return out
+
+
+def hybrid_hits(
+    packed: bytes | None,
+    idents: list[int],
+    base: int,
+    align: int,
+    reach: int,
+    owners: list[tuple[int, list[Group]]],
+) -> list[int]:
+    """`hybrid_hit` for each (limit, groups) of `owners`, over a prompt of
+    `packed` tokens (its identities chained from `base`) or, with `packed`
+    None, of the identities `idents`; only its first `reach` alignment units
+    are read. The compiled one with the kernel (its groups are compiled)."""
+    if KERNEL is not None:
+        return _kernel.hybrid_hits(packed, idents, base, align, reach, owners)
+    if packed is not None:
+        data = packed[: reach * align * 4]
+        prefix = Prefix(data, base, align, chain_identities(data, reach, align, base, None))
+    else:
+        prefix = Prefix(None, base, align, idents[:reach])
+    return [
+        hybrid_hit(groups, prefix, min(limit, len(prefix.idents)))  # type: ignore[arg-type]
+        for limit, groups in owners
+    ]
 
 
 def hybrid_hit(groups: Sequence[GroupState], prefix: Prefix, limit: int) -> int:

@@ -289,7 +289,8 @@ class Index:
                 counters["group_lower_tier_skipped"] += n
                 return 0
             window = ev.sliding_window
-            if kind in WINDOW_KINDS and (window is None or not 0 < window <= MAX_WINDOW):
+            bad = window is not None and not 0 <= window <= MAX_WINDOW
+            if bad or (kind in WINDOW_KINDS and not window):
                 counters["bad_group_spec"] += max(n, 1)
                 return 0
         ns = self._namespace(

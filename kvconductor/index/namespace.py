@@ -41,7 +41,7 @@ import msgspec
 
 from kvconductor.index.answer_shape import AnswerShape, new_shape
 from kvconductor.index.block_store import BlockStore, Placed, new_store
-from kvconductor.index.cache_groups import GroupState, locate, unit_extra, unit_seqs
+from kvconductor.index.cache_groups import Group, locate, new_group, unit_extra, unit_seqs
 from kvconductor.index.pending import (
     INTENT,
     UNRESOLVED,
@@ -109,7 +109,7 @@ class Owner:
         # block while a copy remains (contract section 2, v2).
         self.copies: dict[tuple[int, int], int] = {}
         # KV-cache groups other than the primary one (`cache_groups`).
-        self.groups: dict[int, GroupState] = {}
+        self.groups: dict[int, Group] = {}
         # The primary group's block size (0: none seen): its blocks larger
         # than the namespace's are held as that many units.
         self.primary_block = 0
@@ -122,7 +122,7 @@ class OwnerExtras(NamedTuple):
     """An owner's state beyond its tiers' sets (see `Owner`)."""
 
     copies: dict[tuple[int, int], int]
-    groups: dict[int, GroupState]
+    groups: dict[int, Group]
     primary_block: int
 
 
@@ -694,7 +694,7 @@ class NamespaceIndex:
         size = block_size or self.block_size
         group = owner.groups.get(group_idx)
         if group is None:
-            group = owner.groups[group_idx] = GroupState(kind, size, window)
+            group = owner.groups[group_idx] = new_group(kind, size, window)
             self.hybrid.add(owner.slot)
         else:
             group.block_size = max(group.block_size, size)

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import msgspec
 
 from kvconductor.index.block_store import Matched
-from kvconductor.index.cache_groups import Prefix, hybrid_hit
+from kvconductor.index.cache_groups import Group, hybrid_hits
 from kvconductor.index.namespace import NamespaceIndex, NamespaceKey, namespace_key
 from kvconductor.index.tokenless import EngineProfiles, Owners, PromptNames, extend
-from kvconductor.wire.hashing import MASK64, chain_identities, extra_keys_fingerprint, pack_tokens
+from kvconductor.wire.hashing import MASK64, extra_keys_fingerprint, pack_tokens
 from kvconductor.wire.media import DEVICE
 from kvconductor.wire.query import HashQuery, InvalidQuery, QueryResponse, TokenQuery
 
@@ -94,38 +94,27 @@ def _hybrid(ns: NamespaceIndex, prompt: bytes | list[int], found: Matched, salt:
     `prompt`: packed tokens, or the prompt's identities."""
     bs = ns.block_size
     total = len(prompt) // (4 * bs) if isinstance(prompt, bytes) else len(prompt)
-    # An owner whose primary group holds or held blocks is capped by its
-    # prefix; one without (its attention group is not group 0) is not.
-    limits = {
-        slot: gpu if _has_primary(ns, slot) else total
-        for slot, gpu, _, _ in found
-        if slot in ns.hybrid
-    }
-    reach = max(limits.values())
-    base = ns.seed ^ salt
-    if isinstance(prompt, bytes):
-        data = prompt[: reach * bs * 4]
-        prefix = Prefix(data, base, bs, chain_identities(data, reach, bs, base, None))
-    else:
-        prefix = Prefix(None, base, bs, prompt[:reach])
-    out: Matched = []
-    for slot, gpu, cpu, disk in found:
-        limit = limits.get(slot)
-        owner = ns.slots[slot]
-        if limit is None or owner is None:
-            out.append((slot, gpu, cpu, disk))
-            continue
-        hit = hybrid_hit(list(owner.groups.values()), prefix, min(limit, len(prefix.idents)))
-        if hit < gpu:
-            out.append((slot, hit, hit, hit))
-        else:
-            out.append((slot, hit, max(hit, cpu), max(hit, disk)))
+    hybrid, slots, store = ns.hybrid, ns.slots, ns.store
+    at: list[int] = []  # positions in `found` of the hybrid owners
+    owners: list[tuple[int, list[Group]]] = []
+    for i, (slot, gpu, _, _) in enumerate(found):
+        owner = slots[slot] if slot in hybrid else None
+        if owner is not None:
+            # An owner whose primary group holds or held blocks is capped
+            # by its prefix; one that never stored there (a model with no
+            # full-attention group) is not.
+            capped = owner.primary_block or store.tier_len(slot, DEVICE)
+            owners.append((gpu if capped else total, list(owner.groups.values())))
+            at.append(i)
+    reach = max(limit for limit, _ in owners)
+    packed, idents = (prompt, []) if isinstance(prompt, bytes) else (None, prompt)
+    out = list(found)
+    for i, hit in zip(
+        at, hybrid_hits(packed, idents, ns.seed ^ salt, bs, reach, owners), strict=True
+    ):
+        slot, gpu, cpu, disk = out[i]
+        out[i] = (slot, hit, hit, hit) if hit < gpu else (slot, hit, max(hit, cpu), max(hit, disk))
     return out
-
-
-def _has_primary(ns: NamespaceIndex, slot: int) -> bool:
-    owner = ns.slots[slot]
-    return owner is not None and bool(owner.primary_block or ns.store.tier_len(slot, DEVICE))
 
 
 def listed_bits(ns: NamespaceIndex, instance_id: str | None) -> int:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, overload
 import msgspec
 
 from kvconductor.index.block_store import BlockStore
-from kvconductor.index.cache_groups import GroupState
+from kvconductor.index.cache_groups import Group, new_group
 from kvconductor.index.fleet import Index, InstanceState
 from kvconductor.index.namespace import (
     NO_EXTRAS,
@@ -243,24 +243,26 @@ def export_owner(
     )
 
 
-def _group_unit(idx: int, group: GroupState) -> GroupUnit:
-    held = sorted(group.held.items())
+def _group_unit(idx: int, group: Group) -> GroupUnit:
+    held = group.export()
     return GroupUnit(
         idx,
         group.kind,
         group.block_size,
         group.window,
-        pack_u64(seq for seq, _ in held),
-        pack_u64(e[0] for _, e in held),
-        pack_u64(e[1] for _, e in held),
+        pack_u64(seq for seq, _, _ in held),
+        pack_u64(key for _, key, _ in held),
+        pack_u64(n for _, _, n in held),
     )
 
 
 def owner_extras(unit: OwnerUnit) -> OwnerExtras:
     """An owner unit's state beyond its tiers, for the namespace."""
-    groups: dict[int, GroupState] = {}
+    groups: dict[int, Group] = {}
     for g in unit.groups:
-        state = groups[g.group] = GroupState(g.kind, g.block_size, g.window)
+        if g.block_size <= 0 or (g.window is not None and g.window < 0):
+            raise ValueError("a group's block size or window is out of range")
+        state = groups[g.group] = new_group(g.kind, g.block_size, g.window)
         seqs, keys, copies = unpack_u64(g.seqs), unpack_u64(g.keys), unpack_u64(g.copies)
         if not len(seqs) == len(keys) == len(copies):
             raise ValueError("a group's arrays differ in length")
