@@ -240,3 +240,59 @@ def test_pool_index_drains_to_empty() -> None:
         master(c, *(master_event("removed", vllm_key("m", d, tp)) for d in DIGESTS[:2]))
     ns = next(iter(c.snapshot_state().namespaces.values()))
     assert not ns.pools and not ns.pool_holders
+
+
+# ------------------------------------------------------- bridge reconcile
+
+
+def test_live_keys_follow_the_stream_and_removals_apply_like_the_masters() -> None:
+    from kvconductor.bridge.reconcile import LiveKeys
+
+    live = LiveKeys()
+
+    def relay(*events: dict[str, Any]) -> None:
+        for ev in events:
+            live.observe(msgspec.msgpack.encode([1796433603854, [ev], 0]))
+
+    keys = [vllm_key("m", d, tp) for d in DIGESTS[:3] for tp in (0, 1)]
+    relay(*(master_event("stored", k) for k in keys))
+    relay(master_event("removed", keys[0]), master_event("stored", "junk"))
+    live.observe(b"not msgpack")
+    assert set(live.keys) == {*keys[1:], "junk"}
+    before = live.generation + 1
+    relay(master_event("stored", "late"))  # stored after the list was asked for
+    gone = live.gone({keys[1], keys[2]}, before)
+    assert sorted(k for k, _ in gone) == sorted([*keys[3:], "junk"])
+    assert set(live.keys) == {keys[1], keys[2], "late"}
+
+    # the removals the bridge writes are the master's shape: the index applies them
+    c = Conductor()
+    engine_a(c)
+    intent(c, 0, 3)
+    master(c, *(master_event("stored", k) for k in keys))
+    assert pool_hit(c) == 3 * BS
+    for payload in live.removals(gone):
+        c.ingest_pool_record(b"pool-A", [("kv-model", b"m"), ("kv-block-size", b"4")], payload, 2)
+    assert pool_hit(c) == 2 * BS  # blocks 0 and 1 keep one rank's key, block 2 none
+    relay(master_event("cleared", None))
+    assert not live.keys
+
+
+def test_reconcile_url_is_for_pools_only() -> None:
+    import pytest
+
+    from kvconductor.config import ConfigError
+    from kvconductor.registry.publishers import publisher_from_mapping
+
+    base = {"id": "mc", "endpoint": "tcp://127.0.0.1:5557", "source": "mooncake"}
+    pub = publisher_from_mapping({**base, "reconcile_url": "http://127.0.0.1:9003"}, "p")
+    assert pub.reconcile_url == "http://127.0.0.1:9003" and pub.reconcile_interval_s == 30.0
+    with pytest.raises(ConfigError, match="reconcile_url: applies to pool"):
+        publisher_from_mapping(
+            {**base, "source": "vllm", "model": "m", "block_size": 4, "reconcile_url": "http://x"},
+            "p",
+        )
+    with pytest.raises(ConfigError, match="reconcile_url: expected"):
+        publisher_from_mapping({**base, "reconcile_url": "127.0.0.1:9003"}, "p")
+    with pytest.raises(ConfigError, match="reconcile_interval_s"):
+        publisher_from_mapping({**base, "reconcile_interval_s": 0.1}, "p")
