@@ -296,3 +296,16 @@ def test_reconcile_url_is_for_pools_only() -> None:
         publisher_from_mapping({**base, "reconcile_url": "127.0.0.1:9003"}, "p")
     with pytest.raises(ConfigError, match="reconcile_interval_s"):
         publisher_from_mapping({**base, "reconcile_interval_s": 0.1}, "p")
+
+
+def test_a_confirmation_that_ages_out_leaves_no_holder_behind() -> None:
+    c = Conductor()
+    engine_a(c)
+    # rank 0's key of block 1 comes long before any content for it
+    master(c, master_event("stored", vllm_key("m", DIGESTS[1], 0)))
+    c.expire(1.0 + 10_000)
+    ns = next(iter(c.snapshot_state().namespaces.values()))
+    assert not ns.pool_holders
+    intent(c, 0, 2)
+    master(c, master_event("stored", vllm_key("m", DIGESTS[1], 1)))
+    assert pool_hit(c) == 2 * BS

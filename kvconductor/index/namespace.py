@@ -326,6 +326,15 @@ class NamespaceIndex:
                 del self.waiting[seq]
             label = "confirmation" if key[2][0] == "p" else "placement"
             self.counters[f"pending_dropped_{label}_{why}"] += 1
+            if label == "confirmation" and self.pool_holders:
+                # The block never entered the pool: its keys hold nothing, and
+                # the next key stored for it confirms afresh.
+                target = key[2]
+                held = self.pool_holders.get((target[1], str(target[2])))
+                if held is not None:
+                    held.pop(seq, None)
+                    if not held:
+                        del self.pool_holders[(target[1], str(target[2]))]
         else:
             u = self.unresolved.pop(seq)
             self._unlink_child(u.parent, seq)
