@@ -5,8 +5,9 @@ connector keys; the master publishes its KV events; the bridge relays them
 and reconciles against the master's key list; the daemon's answers must
 follow: a vLLM rank's offload intents are confirmed by the master's stores
 (once per block whatever the TP ranks), removals and `remove_all` take
-blocks out, evictions (which the master does not announce) are taken out by
-the reconciliation, and a key naming no block is counted.
+blocks out, evictions and a dead client's objects (which the master does not
+announce) are taken out by the reconciliation, and a key naming no block is
+counted.
 
 Needs the wheels `.ci/mooncake` installs (CI runs it); skipped without them.
 """
@@ -90,6 +91,8 @@ class Master:
             "--default_kv_lease_ttl=20",
             "--eviction_high_watermark_ratio=0.6",
             "--eviction_ratio=0.5",
+            # a client gone this long loses its segment, and its objects
+            "--client_ttl=2",
         ]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -149,7 +152,8 @@ class Client:
         return await self._reply()
 
     def stop(self) -> None:
-        self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait()
 
 
@@ -202,7 +206,7 @@ async def test_real_master_confirms_removes_reconciles_and_clears(
         registrations=False,
         idle_probe_s=0.0,
     )
-    async with running(dcfg) as daemon, running_bridge(bcfg):
+    async with running(dcfg) as daemon, running_bridge(bcfg) as bridge:
         port = daemon.http_port
         assert port is not None
 
@@ -263,10 +267,29 @@ async def test_real_master_confirms_removes_reconciles_and_clears(
             held = [b == 0 or any(key(b, tp) in listed for tp in (0, 1)) for b in range(3)]
             return next((i for i, h in enumerate(held) if not h), 3) * BS
 
+        def reconciled() -> float:
+            got = bridge.metrics.registry.get_sample_value(
+                "kvconductor_bridge_reconciled_removals_total",
+                {"publisher": "mooncake-A", "dp_rank": "0"},
+            )
+            return got or 0.0
+
         evicted = expected() < 3 * BS
         await wait_for(lambda: hit_is(expected()), 30, "evictions reconciled")
+        assert reconciled() > 0
 
         # remove_all: per-object removals, then `cleared`
         assert await client.do(op="remove_all") >= 0
         await wait_for(lambda: hit_is(BS), 30, "remove_all cleared the pool")
         assert evicted, "the master evicted no block: the reconciliation went untested"
+
+        # stored again (confirmed from content the index still has), then the
+        # only client, whose segment holds them, dies: no event, gone anyway
+        for block in (1, 2):
+            assert await client.do(op="put", key=key(block, 0), size=MB) == 0
+        await wait_for(lambda: hit_is(3 * BS), 30, "blocks stored again")
+        before = reconciled()
+        client.stop()
+        await wait_for(lambda: not master.keys(), 30, "the master dropped the dead segment")
+        await wait_for(lambda: hit_is(BS), 30, "segment loss reconciled")
+        assert reconciled() >= before + 2  # the bridge's removals, not the master's
