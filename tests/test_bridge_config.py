@@ -32,7 +32,9 @@ def test_example_config_loads(tmp_path: Path) -> None:
     vllm, sglang, pool = cfg.publishers
     assert list(vllm.ranks) == [0, 1] and vllm.offload == "pool"
     assert sglang.source == "sglang" and sglang.replay_endpoint is None
-    assert (pool.kind, pool.source, pool.model) == ("pool", "mooncake", None)
+    assert (pool.kind, pool.source, pool.block_size) == ("pool", "mooncake", 16)
+    # the real master sends model and block size nil unless started with them
+    assert pool.model and pool.reconcile_url == "http://10.0.0.7:9003"
     assert cfg.topic_for(pool) == "kv-pool-events" and cfg.topic_for(vllm) == "kv-events"
     assert cfg.bridge.port == 8788 and cfg.bridge.auth_token is None
 

@@ -82,6 +82,20 @@ class BridgeMetrics:
             [*stream, "reason"],
             registry=r,
         )
+        self.reconciles = Counter(
+            "kvconductor_bridge_reconciles",
+            "Key-list reconciliations against a pool master, by outcome: ok, failed "
+            "(the master did not answer with its key list).",
+            [*stream, "outcome"],
+            registry=r,
+        )
+        self.reconciled_removed = Counter(
+            "kvconductor_bridge_reconciled_removals",
+            "Objects the master no longer lists but announced no removal of (evicted, "
+            "or lost with a client's segment): written as removed events.",
+            stream,
+            registry=r,
+        )
         self.malformed = Counter(
             "kvconductor_bridge_malformed_frames",
             "ZMQ messages in no known frame layout (dropped), by socket (live, replay).",

@@ -7,6 +7,8 @@ same key and headers, minus `kv-seq`, plus `kv-control-reason` (what
 happened, in words) and `kv-control-kind` (its label: `attached` on a normal
 first attach, `restarted`, `no_replay`, `replay_failed`, `replay_overrun`,
 `too_large`, `unregistered`), from which the daemon logs it at its level.
+A reconciled removal (`bridge.reconcile`) is a pool record in the master's
+own shape without `kv-seq`.
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ def data_entry(pub: PublisherConfig, rank: int, seq: int, payload: bytes) -> Ent
     headers = [*base_headers(pub, rank), (KV_SEQ, str(seq).encode())]
     key = pub.id.encode()
     return Entry(key, payload, headers, seq, len(payload) + len(key) + 64)
+
+
+def reconciled_entry(pub: PublisherConfig, rank: int, payload: bytes) -> Entry:
+    """Pool `removed` events the bridge wrote itself (`bridge.reconcile`):
+    no `kv-seq`, since the publisher never numbered them."""
+    key = pub.id.encode()
+    return Entry(key, payload, base_headers(pub, rank), None, len(payload) + len(key) + 64)
 
 
 def resync_entry(pub: PublisherConfig, rank: int, kind: str, reason: str) -> Entry:

@@ -35,6 +35,7 @@ burst leaves no gap to see until the next message.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -43,7 +44,8 @@ import structlog
 from kvconductor.bridge.buffer import StreamBuffer
 from kvconductor.bridge.frames import Message
 from kvconductor.bridge.metrics import BridgeMetrics
-from kvconductor.bridge.records import data_entry, resync_entry
+from kvconductor.bridge.reconcile import LiveKeys
+from kvconductor.bridge.records import data_entry, reconciled_entry, resync_entry
 from kvconductor.bridge.replay import ReplayError
 from kvconductor.registry.publishers import PublisherConfig
 
@@ -78,6 +80,11 @@ class Relay:
         self._last: tuple[int, int] | None = None  # (seq, hash) last relayed
         # A resync was written and the history replay found nothing yet.
         self._fresh = False
+        # A pool master reconciled against its key list: the keys relayed as
+        # stored (`bridge.reconcile`); `lock` orders its removal records
+        # against the stream's own messages.
+        self.live = LiveKeys() if pub.kind == "pool" and pub.reconcile_url else None
+        self.lock = asyncio.Lock()
 
     # ------------------------------------------------------------- input
 
@@ -168,9 +175,17 @@ class Relay:
         level = log.info if label == "attached" else log.warning
         level("resync", stream=str(self.buffer.key), kind=label, reason=reason)
         await self.buffer.put(resync_entry(self.pub, self.rank, label, reason))
+        if self.live is not None:
+            self.live.clear()
+
+    async def reconciled(self, payload: bytes) -> None:
+        """Removals the bridge inferred from the master's key list."""
+        await self.buffer.put(reconciled_entry(self.pub, self.rank, payload))
 
     async def _relay(self, msg: Message) -> None:
         await self.buffer.put(data_entry(self.pub, self.rank, msg.seq, msg.payload))
+        if self.live is not None:
+            self.live.observe(msg.payload)
         self.expected = msg.seq + 1
         self._last = (msg.seq, hash(msg.payload))
 

@@ -18,6 +18,7 @@ from kvconductor.bridge.buffer import Budget, StreamBuffer
 from kvconductor.bridge.config import BridgeSettings
 from kvconductor.bridge.frames import FrameError, parse_live
 from kvconductor.bridge.metrics import BridgeMetrics
+from kvconductor.bridge.reconcile import reconcile_forever
 from kvconductor.bridge.relay import Relay
 from kvconductor.bridge.replay import ReplayClient
 from kvconductor.bridge.subscription import Subscription
@@ -61,11 +62,31 @@ class Stream:
         )
         self.relay = Relay(pub, rank, self.buffer, replay, metrics)
         self.task: asyncio.Task[None] | None = None
+        self.reconcile_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"bridge-stream-{self.key}"
-        )
+        loop = asyncio.get_running_loop()
+        self.task = loop.create_task(self._run(), name=f"bridge-stream-{self.key}")
+        live, url = self.relay.live, self.pub.reconcile_url
+        if live is not None and url is not None:
+            labels = (self.key.id, str(self.key.rank))
+
+            def counted(outcome: str, removed: int) -> None:
+                self.metrics.reconciles.labels(*labels, outcome).inc()
+                self.metrics.reconciled_removed.labels(*labels).inc(removed)
+
+            self.reconcile_task = loop.create_task(
+                reconcile_forever(
+                    live,
+                    self.relay.lock,
+                    url,
+                    self.pub.reconcile_interval_s,
+                    self.relay.reconciled,
+                    counted,
+                    str(self.key),
+                ),
+                name=f"bridge-reconcile-{self.key}",
+            )
 
     async def _run(self) -> None:
         sub = Subscription(self.ctx, self.endpoint, self.pub.zmq_topic, self.settings.zmq_rcvhwm)
@@ -76,11 +97,14 @@ class Stream:
             replay_endpoint=self.replay_endpoint,
         )
         idle_ms = int(self.settings.idle_probe_s * 1000)
+        lock = self.relay.lock
         try:
-            await self.relay.attach()
+            async with lock:
+                await self.relay.attach()
             while True:
                 if idle_ms > 0 and not await sub.poll(idle_ms):
-                    await self.relay.probe()
+                    async with lock:
+                        await self.relay.probe()
                     continue
                 frames = await sub.recv()
                 try:
@@ -91,13 +115,19 @@ class Stream:
                         "malformed live message dropped", stream=str(self.key), error=str(exc)
                     )
                     continue
-                await self.relay.on_live(msg)
+                async with lock:
+                    await self.relay.on_live(msg)
         finally:
             sub.close()
 
     async def stop(self, flush_timeout_s: float, resync_reason: str | None = None) -> bool:
         """Stop reading; optionally write a last resync record; wait until
         Kafka has everything buffered. False if that timed out."""
+        if self.reconcile_task is not None:
+            self.reconcile_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.reconcile_task
+            self.reconcile_task = None
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -45,6 +45,10 @@ from kvconductor.wire.media import DEVICE, TIER_NAMES, engine_tier, pool_medium_
 from kvconductor.wire.query import HashQuery, QueryResponse, TokenQuery
 from kvconductor.wire.records import EngineMeta, PoolMeta
 
+# Backend ids one pool record key may name (a master names one; a record
+# key naming thousands is hostile input, not a deployment).
+MAX_BACKENDS_PER_KEY = 64
+
 
 class InstanceState:
     """What the index remembers about one engine instance across namespaces."""
@@ -68,6 +72,12 @@ class Index:
         # Instances holding no block, least recently heard from first.
         self.idle: OrderedDict[str, None] = OrderedDict()
         self.counters: Counter[str] = Counter()
+        # Pool record key (the publisher's registered id) -> the backend ids
+        # its events named: blocks are kept under the event's `backend_id`,
+        # a resync or unregistration names the record key. Not in snapshots:
+        # after a restore the map is relearned from the next record, and a
+        # resync before it clears the record key's own backend only.
+        self.pool_backends: dict[str, set[str]] = {}
         # (source, tier name) -> blocks applied
         self.applied: Counter[tuple[str, str]] = Counter()
         self.now = 0.0
@@ -420,13 +430,15 @@ class Index:
         self.counters["resyncs"] += 1
         return cleared
 
-    def pool_resync(self, backend: str) -> int:
-        """A pool backend's stream had an unfillable gap: forget its blocks."""
+    def pool_resync(self, key: str) -> int:
+        """A pool publisher's stream had an unfillable gap, restarted or was
+        unregistered: forget the blocks of every backend its records named."""
+        backends = self.pool_backends.pop(key, set()) | {key}
         cleared = 0
         for ns in list(self.namespaces.values()):
-            if any(b == backend for b, _ in ns.pools):
+            for backend in backends:
                 cleared += ns.pool_clear(backend, None)
-                self._gc(ns)
+            self._gc(ns)
         self.counters["resyncs"] += 1
         return cleared
 
@@ -469,6 +481,17 @@ class Index:
         done = 0
         for key, ev in zip(keys, batch.events, strict=True):
             backend = ev.backend_id if ev.backend_id is not None else backend_key
+            if backend != backend_key:
+                named = self.pool_backends.get(backend_key)
+                if named is None:
+                    named = self.pool_backends[backend_key] = set()
+                if backend not in named and len(named) < MAX_BACKENDS_PER_KEY:
+                    named.add(backend)
+            if ev.event_type != "cleared" and not ev.seq_hashes:
+                # Nothing to place or remove: say why rather than drop it.
+                what = "pool_key_unparsed" if ev.object_key else "pool_event_without_hashes"
+                self.counters[what] += 1
+                continue
             if ev.event_type == "cleared":
                 ns = self.namespaces.get(key)
                 medium = None if ev.medium is None else pool_medium_name(ev.medium)
@@ -487,7 +510,7 @@ class Index:
                     self.counters["pool_removal_unknown"] += len(ev.seq_hashes)
                     continue
                 medium = None if ev.medium is None else pool_medium_name(ev.medium)
-                done += ns.pool_remove(backend, medium, ev.seq_hashes)
+                done += ns.pool_remove(backend, medium, ev.seq_hashes, ev.holder)
                 self._gc(ns)
                 continue
             ns = self._namespace(key)
@@ -500,6 +523,7 @@ class Index:
                 ev.seq_hashes,
                 ev.parent_hash,
                 ev.token_ids,
+                ev.holder,
             )
             self.applied[("pool", TIER_NAMES[tier])] += placed
             done += placed

@@ -189,6 +189,12 @@ class NamespaceIndex:
         # is vLLM's hybrid rule over those groups (`query.match`).
         self.hybrid: set[int] = set()
         self.pools: dict[tuple[str, str], PoolStore] = {}
+        # (backend, medium) -> block -> the holders (key parts) of it that a
+        # key-named pool announced (`wire.mooncake_keys`): a block stored
+        # under one key per TP rank (or group, or layer) is one block, held
+        # while any of its keys is. Not in snapshots: after a restore the
+        # first removal of a block removes it (under-reporting, never stale).
+        self.pool_holders: dict[tuple[str, str], dict[int, set[str]]] = {}
         self.next_pid = 0
         self.waiting: dict[int, list[Target]] = {}
         self.unresolved: dict[int, Unresolved] = {}
@@ -320,6 +326,15 @@ class NamespaceIndex:
                 del self.waiting[seq]
             label = "confirmation" if key[2][0] == "p" else "placement"
             self.counters[f"pending_dropped_{label}_{why}"] += 1
+            if label == "confirmation" and self.pool_holders:
+                # The block never entered the pool: its keys hold nothing, and
+                # the next key stored for it confirms afresh.
+                target = key[2]
+                held = self.pool_holders.get((target[1], str(target[2])))
+                if held is not None:
+                    held.pop(seq, None)
+                    if not held:
+                        del self.pool_holders[(target[1], str(target[2]))]
         else:
             u = self.unresolved.pop(seq)
             self._unlink_child(u.parent, seq)
@@ -752,13 +767,29 @@ class NamespaceIndex:
         seqs: list[int],
         parent: int | None,
         token_ids: Tokens | None,
+        holder: str | None = None,
     ) -> int:
         """A pool stored blocks: with tokens it carries its own content,
-        without it is a confirmation (phase two) joined through the catalog."""
+        without it is a confirmation (phase two) joined through the catalog.
+        `holder`: the key part that names them (see `pool_holders`)."""
         store = self._pool(backend, medium, tier)
         if store is None:
             self.counters["pool_limit_dropped"] += len(seqs)
             return 0
+        if holder is not None:
+            held = self.pool_holders.setdefault((backend, medium), {})
+            for seq in seqs:
+                holders = held.setdefault(seq, set())
+                if holders:
+                    # Another rank's (group's, layer's) key of a block already
+                    # stored: the same block, not a new one.
+                    holders.add(holder)
+                    seqs = [s for s in seqs if s != seq]
+                else:
+                    holders.add(holder)
+            if not seqs:
+                self._drop_pool_if_empty(store)
+                return 0
         target: PoolTarget = ("p", backend, medium, tier)
         idents: list[int] | None = None
         if token_ids:
@@ -769,7 +800,11 @@ class NamespaceIndex:
         self._drop_pool_if_empty(store)
         return placed
 
-    def pool_remove(self, backend: str, medium: str | None, seqs: Iterable[int]) -> int:
+    def pool_remove(
+        self, backend: str, medium: str | None, seqs: Iterable[int], holder: str | None = None
+    ) -> int:
+        if holder is not None:
+            seqs = [seq for seq in seqs if not self._still_held(backend, medium, seq, holder)]
         stores = self._pool_stores(backend, medium)
         for store in stores:
             self.dirty.pools.add((self.key, backend, store.medium))
@@ -786,6 +821,24 @@ class NamespaceIndex:
             self._drop_pool_if_empty(store)
         return removed
 
+    def _still_held(self, backend: str, medium: str | None, seq: int, holder: str) -> bool:
+        """Drop `holder` of `seq`; whether another key still holds the block."""
+        left = False
+        for (b, m), held in list(self.pool_holders.items()):
+            if b != backend or (medium is not None and m != medium):
+                continue
+            holders = held.get(seq)
+            if holders is None:
+                continue
+            holders.discard(holder)
+            if holders:
+                left = True
+            else:
+                del held[seq]
+                if not held:
+                    del self.pool_holders[(b, m)]
+        return left
+
     def _cancel_pool_waits(self, seq: int, backend: str, medium: str | None) -> bool:
         targets = self.waiting.get(seq)
         if not targets:
@@ -797,6 +850,9 @@ class NamespaceIndex:
         return hit
 
     def pool_clear(self, backend: str, medium: str | None) -> int:
+        for b, m in list(self.pool_holders):
+            if b == backend and (medium is None or m == medium):
+                del self.pool_holders[(b, m)]
         removed = 0
         for store in self._pool_stores(backend, medium):
             self.dirty.pools.add((self.key, backend, store.medium))

@@ -49,6 +49,11 @@ class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str | None = None
     offload: Offload = "local"
     report_mode: ReportMode | None = None
+    # Pools only: the master's HTTP (metrics) address, whose key list the
+    # bridge reconciles against (`bridge.reconcile`); the master announces
+    # no evictions.
+    reconcile_url: str | None = None
+    reconcile_interval_s: float = 30.0
 
     @property
     def ranks(self) -> range:
@@ -73,6 +78,11 @@ class _RawPublisher(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str | None = None
     offload: Offload = "local"
     report_mode: ReportMode | None = None
+    # Pools only: the master's HTTP (metrics) address, whose key list the
+    # bridge reconciles against (`bridge.reconcile`); the master announces
+    # no evictions.
+    reconcile_url: str | None = None
+    reconcile_interval_s: float = 30.0
 
 
 _PUBLISHER_FIELDS = {f.name: f for f in msgspec.structs.fields(_RawPublisher)}
@@ -172,6 +182,13 @@ def publisher_from_mapping(raw: Mapping[str, Any], where: str) -> PublisherConfi
         raise fail("dp_size", f"must be in [1, {MAX_RANK - p.dp_rank}], got {p.dp_size}")
     if not p.tenant.strip():
         raise fail("tenant", "must not be empty")
+    if p.reconcile_url is not None:
+        if kind != "pool":
+            raise fail("reconcile_url", "applies to pool backends only")
+        if not p.reconcile_url.startswith(("http://", "https://")):
+            raise fail("reconcile_url", f"expected http://host:port, got {p.reconcile_url!r}")
+    if not 1.0 <= p.reconcile_interval_s <= 86400.0:
+        raise fail("reconcile_interval_s", f"must be in [1, 86400], got {p.reconcile_interval_s}")
     for key in ("endpoint", "replay_endpoint"):
         value = getattr(p, key)
         if value is None:
@@ -195,6 +212,8 @@ def publisher_from_mapping(raw: Mapping[str, Any], where: str) -> PublisherConfi
         lora_name=p.lora_name,
         offload=p.offload,
         report_mode=p.report_mode,
+        reconcile_url=p.reconcile_url,
+        reconcile_interval_s=p.reconcile_interval_s,
     )
 
 

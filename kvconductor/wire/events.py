@@ -80,6 +80,9 @@ class PoolEvent(msgspec.Struct, frozen=True, gc=False):
     additional_salt: str | None = None
     object_key: str | None = None
     event_id: int | None = None
+    # Set when the hash was read from `object_key` (`wire.mooncake_keys`): the
+    # key's rank/group/layer part, one of possibly several per block.
+    holder: str | None = None
 
 
 class PoolBatch(msgspec.Struct, frozen=True, gc=False):

@@ -19,6 +19,9 @@ Rules (see `docs/wire-formats.md` for sources):
   (Mooncake writes "unset" as nil, other publishers as "");
 * `seq_hashes` falls back to the legacy `block_hashes` alias when it is
   missing or empty, `parent_hash` to `parent_block_hash`;
+* when both are empty, the hash is read from `object_key` if it is an engine
+  connector's key (`kvconductor.wire.mooncake_keys`; `holder` says which
+  rank/group/layer part of the block the key is);
 * hashes are normalised exactly as engine hashes (`kvconductor.wire.hash_norm`);
 * `token_ids` are the tokens of the listed blocks only (RFC #1527: "tokens
   across all blocks in this event"), so with a known `block_size` their
@@ -41,6 +44,7 @@ from kvconductor.wire.engine import Name, TokenId, WireHash, bad_record
 from kvconductor.wire.errors import DecodeError, RejectedEvent
 from kvconductor.wire.events import PoolBatch, PoolEvent
 from kvconductor.wire.hash_norm import HashError, normalize_hash, normalize_wire_hashes
+from kvconductor.wire.mooncake_keys import parse_object_key
 
 __all__ = ["decode_pool_payload"]
 
@@ -91,6 +95,15 @@ def _convert(ev: PoolWireEvent, i: int) -> PoolEvent:
         hashes = normalize_wire_hashes(raw)
     except HashError as exc:
         raise RejectedEvent(f"{where}: field {field}[{exc.index}]: {exc.reason}") from None
+    holder = None
+    if not hashes and ev.object_key and ev.event_type != "cleared":
+        # mooncake_master (0.3.14) names the object by its key alone: read the
+        # block hash the engine's connector put in it. A key naming no block
+        # keeps `seq_hashes` empty and the index counts it.
+        named = parse_object_key(ev.object_key)
+        if named is not None:
+            hashes = [named.seq_hash]
+            holder = named.holder
     parent = ev.parent_hash if ev.parent_hash is not None else ev.parent_block_hash
     if parent is not None and (type(parent) is not int or parent < 0):
         try:
@@ -125,6 +138,7 @@ def _convert(ev: PoolWireEvent, i: int) -> PoolEvent:
         additional_salt=_text(ev.additional_salt),
         object_key=ev.object_key,
         event_id=ev.event_id,
+        holder=holder,
     )
 
 

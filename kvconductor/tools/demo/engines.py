@@ -184,23 +184,46 @@ def block_stored(
     return vllm_stored(hashes, parent, tokens, medium, block_size if tokens else 0)
 
 
-def pool_event(event_id: int, event_type: str, hashes: list[int], medium: str | None) -> Event:
-    """A Mooncake RFC #1527 event (as `mooncake_master` publishes it)."""
-    return {
+def pool_key(block_hash: int) -> str:
+    """The object key vLLM's MooncakeStoreConnector stores a block under (TP
+    rank 0): the block hash's bytes in hex, whose low 8 bytes are the int the
+    engine publishes (`kvconductor.wire.mooncake_keys`)."""
+    return (
+        f"{DEMO_MODEL}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{block_hash.to_bytes(8, 'big').hex()}"
+    )
+
+
+def pool_event(event_id: int, event_type: str, block_hash: int | None) -> Event:
+    """One event as `mooncake_master` 0.3.14 publishes it: one object, named by
+    its key only (`seq_hashes` and the legacy `block_hashes` empty), model and
+    block size nil (the publisher's headers give them), legacy aliases on."""
+    ev: Event = {
         "event_id": event_id,
+        "timestamp": int(time.time() * 1000),
         "event_type": event_type,
-        "seq_hashes": hashes,
-        "parent_hash": None,
-        "base_block_idx": None,
-        "token_ids": None,
-        "medium": medium,
-        "backend_id": DEMO_POOL,
-        "tenant_id": None,
-        "model_name": DEMO_MODEL,
-        "block_size": DEMO_BLOCK_SIZE,
-        "lora_name": None,
+        "type": {"stored": "BlockStored", "removed": "BlockRemoved"}.get(
+            event_type, "AllBlocksCleared"
+        ),
+        "model_name": None,
+        "block_size": None,
         "additional_salt": None,
+        "lora_name": None,
+        "tenant_id": "default",
+        "backend_id": DEMO_POOL,
+        "medium": None if block_hash is None else "cpu",
+        "dp_rank": 0,
     }
+    if block_hash is not None:
+        ev.update(
+            group_id=None,
+            object_key=pool_key(block_hash),
+            seq_hashes=[],
+            block_hashes=[],
+            base_block_idx=None,
+        )
+        if event_type == "stored":
+            ev.update(session_id=None, parent_hash=None, token_ids=None, parent_block_hash=None)
+    return ev
 
 
 def pool_payload(events: list[Event], ts: float) -> bytes:
@@ -378,21 +401,32 @@ class SimPool:
         self._inbox = [(at, h) for at, h in self._inbox if at > now]
         events: list[Event] = []
         for hashes in ready:
-            self.event_id += 1
-            events.append(pool_event(self.event_id, "stored", hashes, "cpu"))
             for h in hashes:
+                if h not in self.cpu.blocks:  # a key is put once
+                    self.event_id += 1
+                    events.append(pool_event(self.event_id, "stored", h))
                 self.cpu.touch(h)
-        evicted = [h for h in self.cpu.overflow() if isinstance(h, int)]
-        if evicted:
-            self.event_id += 1
-            events.append(pool_event(self.event_id, "removed", evicted, "cpu"))
+        # The real master evicts without a word (docs/mooncake-master-events.md):
+        # this pool frees space the way a store client's `remove` does, which
+        # the master announces, so the demo needs no reconciliation.
+        for gone in self.cpu.overflow():
+            if isinstance(gone, int):
+                self.event_id += 1
+                events.append(pool_event(self.event_id, "removed", gone))
         return events
 
     def clear(self) -> list[Event]:
+        """`remove_all`: one removal per object, then `cleared`."""
+        events: list[Event] = []
+        for held in list(self.cpu.blocks):
+            if isinstance(held, int):
+                self.event_id += 1
+                events.append(pool_event(self.event_id, "removed", held))
         self.cpu.blocks.clear()
         self._inbox.clear()
         self.event_id += 1
-        return [pool_event(self.event_id, "cleared", [], None)]
+        events.append(pool_event(self.event_id, "cleared", None))
+        return events
 
 
 # --------------------------------------------------------------- publishing
@@ -583,11 +617,12 @@ class Traffic:
         self.stats.events += len(events)
 
     async def _send_pool(self, events: list[Event]) -> None:
-        seq = self._pool_seq
-        self._pool_seq += 1
-        await self.sink.pool(pool_payload(events, time.time()), seq)
-        self.stats.pool_records += 1
-        self.stats.events += len(events)
+        # One message per event, as mooncake_master publishes.
+        for ev in events:
+            self._pool_seq += 1  # the master numbers from 1
+            await self.sink.pool(pool_payload([ev], time.time()), self._pool_seq)
+            self.stats.pool_records += 1
+            self.stats.events += 1
 
     async def start(self) -> None:
         """Engines and pool (re)start empty, as after a restart: they say so first."""

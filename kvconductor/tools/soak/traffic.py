@@ -216,9 +216,9 @@ def hostile(kind: str, instance: bytes, rng: random.Random) -> Hostile:
         case "pool-garbage":
             value = rng.randbytes(64)
         case "pool-unknown-event":
-            value = pool_payload([pool_event(1, "exploded", [1, 2], "cpu")], time.time())
+            value = pool_payload([pool_event(1, "exploded", 1)], time.time())
         case "pool-negative-block-size":
-            negative = {**pool_event(1, "stored", [3], "cpu"), "block_size": -16}
+            negative = {**pool_event(1, "stored", 3), "block_size": -16}
             value = pool_payload([negative], time.time())
         case _:
             raise ValueError(f"unknown hostile record kind {kind!r}")
