@@ -5,8 +5,9 @@ copies of its records under new instance ids (interleaved), into a fresh
 `Conductor` in batches of 500 records: process time, best of two, with the
 engine lane (`Conductor()`) and without (`Conductor(lane=False)`); then the
 whole fleet, every kind's replay interleaved, the same way. An untimed pass
-with the lane counts the records that took the Python path, and the
-stretches of them (each a hand-over from the lane and back).
+with the lane counts the records that took the Python path and the lane's
+`run` calls: a record the lane cannot apply costs a call into the kernel
+(and a context it tries to build) before the Python path applies it.
 
     python -m kvconductor.tools.bench.kinds [--quick] [--out kinds.json]
     kvconductor bench kinds ...
@@ -28,6 +29,7 @@ from typing import Any
 import msgspec
 
 from kvconductor.index.conductor import Conductor, Notice
+from kvconductor.index.engine_lane import Steps, Stop
 from kvconductor.tools.bench.cluster import Record
 from kvconductor.tools.bench.field_fleet import KINDS, FieldConfig, copies, events_of, field_fleet
 from kvconductor.wire.records import Incoming
@@ -60,24 +62,41 @@ def timed(batches: list[list[Incoming]], lane: bool, repeats: int) -> tuple[floa
     return best, errors
 
 
-def python_share(batches: list[list[Incoming]]) -> tuple[int, int]:
-    """With the lane: records that took the Python path, and their stretches."""
+def lane_traffic(batches: list[list[Incoming]]) -> dict[str, int]:
+    """With the lane, untimed: the records that took the Python path, the
+    stretches of them, the lane's `run` calls (each a hand-over to the
+    kernel, one per Python record and batch) and the contexts it built."""
     conductor = Conductor()
+    lane = conductor.lane
+    count = {"python": 0, "stretches": 0, "lane_runs": 0, "contexts": 0}
+    if lane is None:  # no kernel built
+        return count
     taken: list[int] = []
     one = conductor._ingest_one  # the Python path's per-record entry
+    run, context = lane.run, lane._context
 
-    def counting(i: int, rec: Incoming) -> Notice | None:
+    def counting_one(i: int, rec: Incoming) -> Notice | None:
         taken.append(i)
         return one(i, rec)
 
-    conductor._ingest_one = counting  # type: ignore[method-assign]
-    python = stretches = 0
+    def counting_run(records: list[Incoming], start: int) -> Steps[Stop]:
+        count["lane_runs"] += 1
+        return (yield from run(records, start))
+
+    def counting_context(rec: Incoming, payload_rank: int | None) -> bool:
+        count["contexts"] += 1
+        return context(rec, payload_rank)
+
+    # Instance attributes over the methods, on this throw-away conductor.
+    conductor._ingest_one = counting_one  # type: ignore[method-assign]
+    lane.run = counting_run  # type: ignore[method-assign]
+    lane._context = counting_context  # type: ignore[method-assign]
     for batch in batches:
         taken.clear()
         conductor.ingest(batch)
-        python += len(taken)
-        stretches += sum(1 for k, i in enumerate(taken) if k == 0 or taken[k - 1] != i - 1)
-    return python, stretches
+        count["python"] += len(taken)
+        count["stretches"] += sum(1 for k, i in enumerate(taken) if k == 0 or taken[k - 1] != i - 1)
+    return count
 
 
 def interleave(streams: Sequence[Sequence[Record]]) -> list[Record]:
@@ -92,7 +111,7 @@ def measure(records: Sequence[Record], repeats: int) -> dict[str, Any]:
     events = sum(events_of(r.payload) for r in records)
     lane_s, lane_errors = timed(batches, True, repeats)
     python_s, python_errors = timed(batches, False, repeats)
-    on_python, stretches = python_share(batches)
+    traffic = lane_traffic(batches)
     n = len(records)
     return {
         "records": n,
@@ -109,8 +128,9 @@ def measure(records: Sequence[Record], repeats: int) -> dict[str, Any]:
             "us_per_record": python_s * 1e6 / n,
         },
         "lane_over_python": lane_s / python_s,
-        "python_path_share": on_python / n,
-        "python_stretches": stretches,
+        "python_path_share": traffic["python"] / n,
+        "lane_runs_per_record": traffic["lane_runs"] / n,
+        "lane_traffic": traffic,
         "errors": lane_errors + python_errors,
     }
 
@@ -174,7 +194,7 @@ def _line(row: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any]) -> str:
     head = (
         "| kind | events a record | µs an event | µs a record | x dense | "
-        "µs a record, lane=False | lane / no lane | Python path | stretches |\n"
+        "µs a record, lane=False | lane / no lane | Python path | lane runs a record |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
@@ -184,7 +204,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {kind} | {r['events_per_record']:.1f} | {r['lane']['us_per_event']:.2f} | "
             f"{r['lane']['us_per_record']:.1f} | {vs} | {r['python']['us_per_record']:.1f} | "
             f"{r['lane_over_python']:.2f} | {r['python_path_share']:.0%} | "
-            f"{r['python_stretches']:,} |"
+            f"{r['lane_runs_per_record']:.2f} |"
         )
     return head + "\n".join(lines) + "\n"
 
