@@ -16,7 +16,10 @@
 
 FROM rust:1-slim AS rust
 
-FROM python:3.12-slim AS build
+# Python 3.11 in both stages: the kernel reads a prompt's token ids from
+# CPython 3.11's int objects (kernel/src/small_int.rs, compiled for 3.11
+# only, kernel/build.rs), and every figure in docs/benchmarks.md is 3.11's.
+FROM python:3.11-slim AS build
 # Rust's toolchain from the stage above, and a C linker for it.
 COPY --from=rust /usr/local/cargo /usr/local/cargo
 COPY --from=rust /usr/local/rustup /usr/local/rustup
@@ -30,13 +33,15 @@ COPY pyproject.toml README.md ./
 COPY kernel ./kernel
 COPY kvconductor ./kvconductor
 # Wheels of kvconductor (with its compiled kernel) and of every dependency,
-# so the runtime stage needs no compiler.
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# so the runtime stage needs no compiler. The `bridge` extra (pyzmq) serves
+# `kvconductor bridge` and the demo engines; the demo's rich is left out
+# (its output is plain text without it).
+RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[bridge]'
 
-FROM python:3.12-slim
+FROM python:3.11-slim
 RUN useradd --system --uid 10001 --no-create-home kvconductor
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels kvconductor && rm -rf /wheels
+RUN pip install --no-cache-dir --no-index --find-links /wheels 'kvconductor[bridge]' && rm -rf /wheels
 # The kernel is optional at install (pyproject.toml): here its absence is a build error.
 RUN python -c "from kvconductor.kernel import KERNEL, STATUS; assert KERNEL, STATUS; print(STATUS)"
 COPY config/ /etc/kvconductor/

@@ -157,9 +157,26 @@ class KafkaConfig(msgspec.Struct, frozen=True, kw_only=True):
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-# A router queries continuously, so a connection idle this long is gone; and
-# no honest client needs a minute to send one request's headers or body.
+# No honest client needs a minute to send one request's body.
 DEFAULT_CLIENT_TIMEOUT_S = 60.0
+
+# A router queries continuously, so a connection idle this long is gone; and
+# no honest client needs a minute to send one request's headers. Longer than
+# the idle timeouts of HTTP clients' pools (aiohttp's 15 s, httpx's 5 s), so
+# that a client drops its idle connection before the daemon does and does not
+# reuse one that the daemon is closing.
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+
+# Routers keep a few pooled connections each: 512 is far more than a fleet's
+# routers hold, and stays below the 1024 open files that systemd and many
+# shells allow a process by default, with room for the Kafka connections and
+# files (raise `ulimit -n` with it).
+DEFAULT_MAX_CONNECTIONS = 512
+
+# One TCP handshake per 10,000 queries is lost in the noise of the queries
+# themselves, and long-lived connections still move across the replicas
+# behind a load balancer.
+DEFAULT_MAX_REQUESTS_PER_CONNECTION = 10_000
 
 
 class HttpConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,6 +184,9 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8787
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_requests_per_connection: int = DEFAULT_MAX_REQUESTS_PER_CONNECTION
     auth_token: Secret | None = None
     auth_token_file: str | None = None
     # Serve without a token on a non-loopback address (a router that cannot
@@ -637,6 +657,11 @@ def _validate(cfg: Config, src: Callable[[str, str], str]) -> None:
         raise fail("http", "max_body_bytes", f"must be at least 1024, got {h.max_body_bytes}")
     if not h.client_timeout_s > 0:
         raise fail("http", "client_timeout_s", f"must be positive, got {h.client_timeout_s}")
+    if not h.idle_timeout_s > 0:
+        raise fail("http", "idle_timeout_s", f"must be positive, got {h.idle_timeout_s}")
+    for key in ("max_connections", "max_requests_per_connection"):
+        if getattr(h, key) < 1:
+            raise fail("http", key, f"must be at least 1, got {getattr(h, key)}")
     if h.registrations_topic:
         topic = h.registrations_topic
         if not _TOPIC.fullmatch(topic) or topic in (".", ".."):

@@ -228,3 +228,37 @@ async def test_the_images_command_says_which_query_path_runs(kafka_bootstrap: st
         await daemon.http_port("http listening")
         (line,) = [e for e in daemon.events() if e.get("event") == "http listening"]
     assert line["query_path"] == STATUS
+
+
+def _base(stage_name: str) -> str:
+    for ins in instructions():
+        if ins.keyword == "FROM":
+            words = ins.args.split()
+            if (words[2] if len(words) == 3 else "final") == stage_name:
+                return words[0]
+    raise AssertionError(f"no stage {stage_name}")
+
+
+def test_the_image_runs_the_python_every_figure_was_measured_on() -> None:
+    """Python 3.11 in both stages: the kernel reads token ids from CPython
+    3.11's int objects directly (kernel/src/small_int.rs, compiled out on
+    3.12+ by kernel/build.rs's cfgs) and docs/benchmarks.md's figures are
+    3.11's. The build stage's interpreter is the one the kernel is built
+    for, so the runtime stage must be the same minor."""
+    assert _base("build") == "python:3.11-slim"
+    assert _base("final") == _base("build")
+    assert _base("rust") == "rust:1-slim"
+
+
+def test_the_image_installs_the_daemon_and_the_bridge() -> None:
+    """The `bridge` extra (pyzmq) is built and installed, for `kvconductor
+    bridge` and docker-compose's ZMQ demo engines; the demo's rich is not."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert [r.split(">")[0] for r in extras["bridge"]] == ["pyzmq"]
+    assert _pip_wheel_step(stages()["build"])[-1] == ".[bridge]"
+    (install,) = [r for r in stages()["final"].each("RUN") if r.startswith("pip install")]
+    assert "kvconductor[bridge]" in shlex.split(install.split("&&")[0])

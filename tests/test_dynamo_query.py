@@ -19,8 +19,8 @@ from kvconductor.index.fleet import IndexLimits
 from kvconductor.snapshots.units import all_unit_ids, export_unit, restore
 from kvconductor.wire.dynamo import worker_id
 from kvconductor.wire.events import BlockStored, EngineBatch
-from kvconductor.wire.hashing import MASK64, local_block_hash, lora_seed
-from kvconductor.wire.local_hashes import LocalHashMap
+from kvconductor.wire.hashing import MASK64, dynamo_seed, local_block_hash, lora_seed
+from kvconductor.wire.local_hashes import ROOT, LocalHashMap
 from kvconductor.wire.query import TokenQuery
 from tests import test_http_api
 from tests.test_http_api import BS, HASHES, TOKENS, assert_error, meta, post_json, query, store
@@ -203,6 +203,134 @@ async def test_lora_blocks_match_under_the_lora_seed(make_client: MakeClient) ->
     # /query for the same tokens and LoRA agrees.
     status, contract, _ = await post_json(client, "/query", query(lora_name="adapter-a"))
     assert contract["default"]["vllm-0"]["GPU"] == 3 * BS
+
+
+# ------------------------------------------------------------ salted requests
+
+# The first block's local hash of tokens 100..115 (block size 16) as
+# ai-dynamo-runtime 1.6.1's `compute_block_hash_for_seq(tokens, 16,
+# lora_name=..., cache_namespace=...)` computes it.
+DYNAMO_1_6_1 = [
+    (None, None, 10823191264391160519),
+    ("", "", 10823191264391160519),
+    (None, "s1", 13028234901878029932),
+    ("ad", None, 682217097734764133),
+    ("ad", "s1", 3575278362467983864),
+    ("ad", "s\u00e4lz", 968031579386448307),
+]
+
+
+@pytest.mark.parametrize(("lora", "salt", "expected"), DYNAMO_1_6_1)
+def test_the_seed_is_dynamos(lora: str | None, salt: str | None, expected: int) -> None:
+    tokens = [100 + i for i in range(16)]
+    assert local_block_hash(tokens, dynamo_seed(lora, salt)) == expected
+    if not salt:
+        assert dynamo_seed(lora, salt) == lora_seed(lora or None)
+
+
+def test_the_seed_is_dynamos_own_when_installed() -> None:
+    core = pytest.importorskip("dynamo._core")
+    tokens = list(range(7, 7 + 3 * BS))
+    for lora in (None, "adapter-a"):
+        for salt in (None, "tenant-42", "\u00fcber"):
+            theirs = core.compute_block_hash_for_seq(
+                tokens, BS, lora_name=lora, cache_namespace=salt
+            )
+            mine = [
+                local_block_hash(tokens[i * BS : (i + 1) * BS], dynamo_seed(lora, salt))
+                for i in range(3)
+            ]
+            assert [h & MASK64 for h in theirs] == mine, (lora, salt)
+
+
+def store_in(
+    conductor: Conductor,
+    instance: str,
+    blocks: int,
+    salt: str = "",
+    lora: str | None = None,
+    medium: str | None = None,
+) -> None:
+    """Blocks 0..blocks-1 of TOKENS in the namespace of `salt` (the records'
+    `kv-salt`) and `lora`."""
+    event = BlockStored(
+        block_hashes=HASHES[:blocks],
+        token_ids=TOKENS[: blocks * BS],
+        block_size=BS,
+        lora_name=lora,
+        medium=medium,
+    )
+    batch = EngineBatch(1.0, [event], 0)
+    conductor.snapshot_state().apply_engine(instance, meta()._replace(salt=salt), batch, 1.0)
+
+
+async def test_a_salted_request_is_answered_from_the_salted_namespace(
+    make_client: MakeClient,
+) -> None:
+    conductor = Conductor(ON)
+    store_in(conductor, "plain", 2)
+    store_in(conductor, "salted", 3, salt="s1")
+    client = await make_client(conductor)
+    salted = dynamo_hashes(TOKENS, dynamo_seed(None, "s1"))
+    status, answer, _ = await post_json(client, PATH, body(salted))
+    assert status == 200 and answer["block_size"] == BS
+    assert tiers(answer)["device"] == {(worker_id("salted"), 0): 3}
+    # Unsalted, the request is the unsalted namespace's only.
+    assert await device_hits(client) == {(worker_id("plain"), 0): 2}
+    # Another salt is another namespace: nothing.
+    other = dynamo_hashes(TOKENS, dynamo_seed(None, "s2"))
+    assert tiers((await post_json(client, PATH, body(other)))[1])["device"] == {}
+    # /query with the same cache_salt shows the same blocks held.
+    status, contract, _ = await post_json(client, "/query", query(cache_salt="s1"))
+    assert contract["default"]["salted"]["GPU"] == 3 * BS
+
+
+async def test_a_salted_lora_request_needs_both_seeds(make_client: MakeClient) -> None:
+    conductor = Conductor(ON)
+    store_in(conductor, "vllm-0", 4, salt="s1", lora="adapter-a")
+    store_in(conductor, "vllm-1", 2, salt="s1", lora="adapter-a", medium="CPU")
+    client = await make_client(conductor)
+    both = dynamo_hashes(TOKENS, dynamo_seed("adapter-a", "s1"))
+    status, answer, _ = await post_json(client, PATH, body(both))
+    assert status == 200
+    got = tiers(answer)
+    assert got["device"] == {(worker_id("vllm-0"), 0): 4}
+    assert got["host_pinned"][(worker_id("vllm-1"), 0)] == 2
+    for seed in (lora_seed("adapter-a"), dynamo_seed(None, "s1"), lora_seed(None)):
+        status, answer, _ = await post_json(client, PATH, body(dynamo_hashes(TOKENS, seed)))
+        assert tiers(answer)["device"] == {}
+    status, contract, _ = await post_json(
+        client, "/query", query(cache_salt="s1", lora_name="adapter-a")
+    )
+    assert contract["default"]["vllm-0"]["GPU"] == 4 * BS
+
+
+async def test_a_salted_chain_resolved_late_is_learnt(make_client: MakeClient) -> None:
+    conductor = Conductor(ON)
+    later = BlockStored(
+        block_hashes=HASHES[1:3],
+        parent_block_hash=HASHES[0],
+        token_ids=TOKENS[BS : 3 * BS],
+        block_size=BS,
+    )
+    salted = meta()._replace(salt="s1")
+    conductor.snapshot_state().apply_engine("vllm-0", salted, EngineBatch(1.0, [later], 0), 1.0)
+    store_in(conductor, "vllm-0", 1, salt="s1")
+    client = await make_client(conductor)
+    status, answer, _ = await post_json(
+        client, PATH, body(dynamo_hashes(TOKENS, dynamo_seed(None, "s1")))
+    )
+    assert status == 200 and tiers(answer)["device"] == {(worker_id("vllm-0"), 0): 3}
+
+
+def test_a_rooted_map_learns_the_first_block_too() -> None:
+    edges = LocalHashMap(10, rooted=True)
+    edges.learn(None, [50, 51], [10, 11])
+    assert edges.edges == {(ROOT, 50): 10, (10, 51): 11}
+    assert edges.identities([50, 51, 52]) == [10, 11]
+    # Without the first block's edge nothing is known.
+    assert edges.identities([10, 51]) == []
+    assert LocalHashMap(10).identities([10, 51]) == [10]
 
 
 EMPTY = b'{"block_size":0,"tiered":{"device":{"scores":[],"frequencies":[]},"lower_tier":[]}}'

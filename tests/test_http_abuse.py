@@ -173,12 +173,15 @@ async def served(front: bool = True, **options: Any) -> AsyncIterator[Served]:
     """make_app over a fed conductor, on 127.0.0.1 and a free port, behind the
     daemon's site (`front`) or aiohttp's own."""
     conductor = fed_conductor()
+    site_options = {k: options.pop(k) for k in ("max_connections",) if k in options}
     settings: dict[str, Any] = {"max_body_bytes": MIB, "auth_token": None, **options}
     app = make_app(conductor, Metrics(conductor), ready=lambda: (True, "ok"), **settings)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site: web.BaseSite = (
-        QuerySite(runner, "127.0.0.1", 0) if front else web.TCPSite(runner, "127.0.0.1", 0)
+        QuerySite(runner, "127.0.0.1", 0, **site_options)
+        if front
+        else web.TCPSite(runner, "127.0.0.1", 0)
     )
     await site.start()
     try:
@@ -250,6 +253,18 @@ def test_any_other_address_needs_a_token(host: str, tmp_path: Path) -> None:
         ),
         ({"KVCONDUCTOR_HTTP_CLIENT_TIMEOUT_S": "0"}, "[http] client_timeout_s: must be positive"),
         ({"KVCONDUCTOR_HTTP_CLIENT_TIMEOUT_S": "-1"}, "[http] client_timeout_s: must be positive"),
+        ({"KVCONDUCTOR_HTTP_IDLE_TIMEOUT_S": "0"}, "[http] idle_timeout_s: must be positive"),
+        ({"KVCONDUCTOR_HTTP_IDLE_TIMEOUT_S": "-1"}, "[http] idle_timeout_s: must be positive"),
+        ({"KVCONDUCTOR_HTTP_MAX_CONNECTIONS": "0"}, "[http] max_connections: must be at least 1"),
+        ({"KVCONDUCTOR_HTTP_MAX_CONNECTIONS": "-5"}, "[http] max_connections: must be at least 1"),
+        (
+            {"KVCONDUCTOR_HTTP_MAX_REQUESTS_PER_CONNECTION": "0"},
+            "[http] max_requests_per_connection: must be at least 1",
+        ),
+        (
+            {"KVCONDUCTOR_HTTP_MAX_REQUESTS_PER_CONNECTION": "-1"},
+            "[http] max_requests_per_connection: must be at least 1",
+        ),
     ],
 )
 def test_token_and_timeout_rules(env: dict[str, str], needle: str) -> None:
@@ -528,7 +543,7 @@ async def slow_clients_meanwhile_honest_ones(
 
 
 async def test_slow_clients_are_dropped_and_do_not_block_others() -> None:
-    async with serving(auth_token=TOKEN, client_timeout_s=1.0) as (port, app):
+    async with serving(auth_token=TOKEN, client_timeout_s=1.0, idle_timeout_s=1.0) as (port, app):
         seen = await slow_clients_meanwhile_honest_ones(port, 1.0, until_s=30)
         assert app[API_KEY].buffered == 0
     assert all(t is not None for t in seen["headers"]), seen["headers"]
@@ -656,14 +671,15 @@ def memory_kib(pid: int) -> dict[str, int]:
 @pytest.mark.parametrize("command", ["run", "replica"])
 async def test_server_processes_drop_slow_clients(command: str, tmp_path: Path) -> None:
     """As served by `kvconductor run` and `kvconductor replica`: the
-    configured `client_timeout_s` reaches the server (no broker needed: the
-    HTTP API answers while Kafka is retried)."""
+    configured `client_timeout_s` and `idle_timeout_s` reach the server (no
+    broker needed: the HTTP API answers while Kafka is retried)."""
     port, nothing_there = free_ports(2)
     cfg = daemon_config(
         f"127.0.0.1:{nothing_there}",
         KVCONDUCTOR_HTTP_PORT=str(port),
         KVCONDUCTOR_HTTP_AUTH_TOKEN=TOKEN,
         KVCONDUCTOR_HTTP_CLIENT_TIMEOUT_S="1",
+        KVCONDUCTOR_HTTP_IDLE_TIMEOUT_S="1",
     )
     async with server_process([command], cfg, tmp_path / "server.log"):
         seen = await slow_clients_meanwhile_honest_ones(port, 1.0, until_s=20, expected={})

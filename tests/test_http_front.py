@@ -177,7 +177,7 @@ async def test_bearer_token_as_aiohttp_checks_it(headers: tuple[str, ...], statu
 
 
 async def test_head_and_body_deadlines() -> None:
-    async with served(client_timeout_s=0.3) as s:
+    async with served(client_timeout_s=0.3, idle_timeout_s=0.3) as s:
         # No head: closed. Queries that keep coming keep the connection.
         async with connection(s.port) as (reader, _):
             assert await closed_by_server(reader, 3)
@@ -215,7 +215,9 @@ async def test_hanging_up_mid_body_counts_499() -> None:
 async def test_a_client_that_does_not_read_stops_the_reading_not_the_memory() -> None:
     n = 30_000
     # Not reading answers for longer than the timeout is not idling.
-    async with served(client_timeout_s=0.3) as s:
+    async with served(
+        client_timeout_s=0.3, idle_timeout_s=0.3, max_requests_per_connection=n + 1
+    ) as s:
         sock = socket.socket()
         # A small receive window, so that the answers back up into the server.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -10,6 +10,10 @@ models), against vLLM's own numbers.
   twice under one hash;
 - tests/fixtures/vllm-live-hybrid: the same of a real vLLM serving a Gemma 3
   (five sliding-window groups, then the full-attention group 5).
+- tests/fixtures/vllm-hybrid-order: records of vLLM's real `KVCacheManager`
+  for layouts whose full-attention group is not group 0 (Gemma 3: group 5,
+  GPT-OSS: group 1, Kimi Linear: Mamba groups then MLA, two full-attention
+  groups around a sliding-window one) and a dense control, with vLLM's hits.
 
 In process (both block stores in CI), through Kafka and the daemon's HTTP
 API, across a SIGKILL of the daemon and its restore, and from a ZMQ
@@ -64,15 +68,21 @@ from tests.harness import (
 HYBRID = FIXTURE_ROOT / "vllm-hybrid"
 LIVE = FIXTURE_ROOT / "vllm-live"
 LIVE_HYBRID = FIXTURE_ROOT / "vllm-live-hybrid"
+HYBRID_ORDER = FIXTURE_ROOT / "vllm-hybrid-order"
 CHECKPOINTS = (141, 325, 392, 393)
+# The fixtures of vLLM's KV-cache manager with its hits: each is replayed alike.
+MANAGER_FIXTURES = [
+    pytest.param(HYBRID, id="vllm-hybrid"),
+    pytest.param(HYBRID_ORDER, id="vllm-hybrid-order"),
+]
 
 
-def hybrid_records() -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (HYBRID / "records.jsonl").read_text().splitlines()]
+def hybrid_records(root: Path = HYBRID) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (root / "records.jsonl").read_text().splitlines()]
 
 
-def hybrid_probes() -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (HYBRID / "probes.jsonl").read_text().splitlines()]
+def hybrid_probes(root: Path = HYBRID) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (root / "probes.jsonl").read_text().splitlines()]
 
 
 def headers(record: dict[str, Any]) -> list[tuple[str, bytes]]:
@@ -129,11 +139,33 @@ def test_the_fixture_is_what_the_tests_expect() -> None:
     }
 
 
-def test_every_probe_in_file_order() -> None:
-    records, probes = hybrid_records(), hybrid_probes()
+def test_the_order_fixture_puts_full_attention_elsewhere_than_group_0() -> None:
+    """vLLM numbers groups by the first layer of each kind: the layouts the
+    order fixture was made with, as its records name them."""
+    stored: dict[str, dict[int, str]] = {}
+    for r in hybrid_records(HYBRID_ORDER):
+        for ev in msgspec.msgpack.decode(value(r))[1]:
+            if ev["type"] == "BlockStored":
+                stored.setdefault(r["key"], {})[ev["group_idx"]] = ev["kv_cache_spec_kind"]
+    window, full, mla = "sliding_window", "full_attention", "mla_attention"
+    assert stored == {
+        "ord-g3": {**dict.fromkeys(range(5), window), 5: full},
+        "ord-oss": {0: window, 1: full},
+        "ord-kimi": {0: "mamba", 1: "mamba", 2: mla},
+        "ord-2full": {0: full, 1: window, 2: full},
+        "ord-d0": {0: full},
+    }
+    probes = hybrid_probes(HYBRID_ORDER)
+    assert len(hybrid_records(HYBRID_ORDER)) == 328 and len(probes) == 245
+    assert {p["instance"] for p in probes} == set(stored)
+
+
+@pytest.mark.parametrize("root", MANAGER_FIXTURES)
+def test_every_probe_in_file_order(root: Path) -> None:
+    records, probes = hybrid_records(root), hybrid_probes(root)
     conductor = Conductor()
     done = 0
-    for checkpoint in CHECKPOINTS:
+    for checkpoint in sorted({p["after_records"] for p in probes}):
         for i in range(done, checkpoint):
             conductor.ingest_engine_record(
                 records[i]["key"], headers(records[i]), value(records[i]), float(i)
@@ -144,11 +176,12 @@ def test_every_probe_in_file_order() -> None:
     assert not conductor.counters["hash_conflicts"]
 
 
+@pytest.mark.parametrize("root", MANAGER_FIXTURES)
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_every_probe_with_instances_interleaved(seed: int) -> None:
+def test_every_probe_with_instances_interleaved(seed: int, root: Path) -> None:
     """Another instance's records in between change nothing: each probe is
     asked once its instance has applied what it had at the checkpoint."""
-    records, probes = hybrid_records(), hybrid_probes()
+    records, probes = hybrid_records(root), hybrid_probes(root)
     by_instance: dict[str, list[int]] = {}
     for i, r in enumerate(records):
         by_instance.setdefault(r["key"], []).append(i)

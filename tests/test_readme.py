@@ -20,6 +20,7 @@ OPERATOR_DOCS = [
     REPO / "docs" / "architecture.md",
     REPO / "docs" / "operations.md",
     REPO / "docs" / "router-integration.md",
+    REPO / "docs" / "kubernetes.md",
 ]
 # Linked from the README, written with other parts of the project.
 WRITTEN_ELSEWHERE = {

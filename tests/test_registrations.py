@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvconductor.bridge.config import BridgeConfig
+from kvconductor.bridge.records import data_entry
 from kvconductor.config import Config
 from kvconductor.http.api import make_app
 from kvconductor.index.conductor import Conductor
@@ -30,14 +31,21 @@ from kvconductor.registry.bodies import (
     InvalidRegistration,
     RegisterBody,
     check_hash_profile,
+    merge_registrations,
     root_digest,
     same_registration,
     to_publisher,
 )
 from kvconductor.registry.log import RegistrationLog
 from kvconductor.registry.publishers import StreamKey
-from tests.bridge_fakes import FakePublisher, bridge_config, running_bridge
-from tests.harness import daemon_config, running, wait_for
+from tests.bridge_fakes import (
+    FakePublisher,
+    bridge_config,
+    headers_of,
+    records_for,
+    running_bridge,
+)
+from tests.harness import daemon_config, read_all, running, stored, vllm_payload, wait_for
 from tests.test_http_api import fed_conductor
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -123,6 +131,111 @@ def test_empty_namespace_fields_and_spellings_are_one_registration() -> None:
     assert (pub.tenant, pub.lora_name, pub.salt, pub.replay_endpoint) == ("default", None, "", None)
     assert same_registration(plain, spelt)
     assert not same_registration(plain, msgspec.structs.replace(plain, block_size=16))
+
+
+def engine_body(**kw: Any) -> dict[str, Any]:
+    """An engine's own registration of the rank `conductor_body` names (the
+    JSON form): its replay socket, offload mode and report mode, no profile."""
+    body: dict[str, Any] = {
+        "endpoint": "tcp://127.0.0.1:5557",
+        "replay_endpoint": "tcp://127.0.0.1:5558",
+        "type": "vllm",
+        "modelname": "m",
+        "instance_id": "vllm-0",
+        "block_size": 4,
+        "dp_rank": 0,
+        "kv_offload": "pool",
+        "kv_report_mode": "full",
+    }
+    body.update(kw)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def as_body(raw: dict[str, Any]) -> RegisterBody:
+    return msgspec.convert(raw, RegisterBody)
+
+
+def test_a_routers_and_an_engines_registration_of_one_stream_merge() -> None:
+    engine, router = as_body(engine_body()), as_body(conductor_body())
+    both = merge_registrations(engine, router)
+    # Either order makes the same registration (each keeps its own spelling
+    # of the stream's fields: `vllm` or `vLLM`).
+    assert to_publisher(both) == to_publisher(merge_registrations(router, engine))
+    for merged in (both, merge_registrations(router, engine)):
+        pub = to_publisher(merged)
+        assert (pub.replay_endpoint, pub.offload, pub.report_mode) == (
+            "tcp://127.0.0.1:5558",
+            "pool",
+            "full",
+        )
+        assert merged.hash_profile == HashProfile(**PROFILE)
+    # What the merge already says is a repeat: the registered body comes back.
+    assert merge_registrations(both, router) == both
+    assert merge_registrations(both, engine) == both
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        # The stream and its namespace: their absence is the default, a value.
+        ({"endpoint": "tcp://127.0.0.1:5600"}, "endpoint"),
+        ({"type": "SGLang"}, "type"),
+        ({"tenant_id": "t"}, "tenant_id"),
+        ({"modelname": "other"}, "modelname"),
+        ({"block_size": 16}, "block_size"),
+        ({"lora_name": "adapter"}, "lora_name"),
+        # Optional fields: set in both, differently.
+        ({"replay_endpoint": "tcp://127.0.0.1:5599"}, "replay_endpoint"),
+        ({"kv_offload": "local"}, "kv_offload"),
+        ({"kv_report_mode": "incremental"}, "kv_report_mode"),
+        ({"additionalsalt": "b"}, "additionalsalt"),
+        ({"hash_profile": {**PROFILE, "python_hash_seed": "1"}}, "hash_profile"),
+    ],
+)
+def test_a_contradiction_is_refused_naming_the_field(change: dict[str, Any], field: str) -> None:
+    registered = as_body({**conductor_body(), **engine_body(), "additionalsalt": "a"})
+    with pytest.raises(InvalidRegistration) as info:
+        merge_registrations(registered, as_body({**conductor_body(), **change}))
+    assert (info.value.reason, info.value.field) == ("invalid_registration", field)
+    assert field in str(info.value) and "vllm-0|default|0" in str(info.value)
+
+
+def test_absent_means_the_default_for_the_stream_and_nothing_for_the_rest() -> None:
+    router = as_body(conductor_body())  # tenant "default", lora ""
+    spelt = as_body(engine_body(type="VLLM", tenant_id=None, lora_name=None, kv_offload=""))
+    merged = merge_registrations(router, spelt)
+    assert (merged.tenant_id, merged.lora_name, merged.type) == ("default", "", "vLLM")
+    assert to_publisher(merged).offload == "local" and merged.kv_report_mode == "full"
+    # Set in both, spelt differently but read alike: no contradiction.
+    spelt_pool = as_body(engine_body(kv_offload="POOL", type="VLLM"))
+    assert merge_registrations(as_body(engine_body()), spelt_pool) == as_body(engine_body())
+    # A null tenant is `default`, not silence: another tenant contradicts it.
+    with pytest.raises(InvalidRegistration) as info:
+        merge_registrations(as_body(engine_body()), as_body(conductor_body(tenant_id="t")))
+    assert info.value.field == "tenant_id"
+
+
+@pytest.mark.parametrize("mode", ["incremental", "full"])
+def test_the_report_mode_is_relayed_as_a_header(mode: str) -> None:
+    pub = to_publisher(as_body(engine_body(kv_report_mode=mode)))
+    assert pub.report_mode == mode
+    assert dict(data_entry(pub, 0, 1, b"x").headers)["kv-report-mode"] == mode.encode()
+    silent = to_publisher(as_body(engine_body(kv_report_mode=None)))
+    assert "kv-report-mode" not in dict(data_entry(silent, 0, 1, b"x").headers)
+
+
+@pytest.mark.parametrize("mode", ["", "Full", "delta"])
+def test_an_unknown_report_mode_is_refused(mode: str) -> None:
+    with pytest.raises(InvalidRegistration) as info:
+        to_publisher(as_body(engine_body(kv_report_mode=mode)))
+    assert (info.value.reason, info.value.field) == ("invalid_value", "kv_report_mode")
+
+
+def test_a_pool_backend_has_no_report_mode() -> None:
+    pool = engine_body(type="Mooncake", kv_offload=None, kv_report_mode="full")
+    with pytest.raises(InvalidRegistration) as info:
+        to_publisher(as_body(pool))
+    assert info.value.field == "kv_report_mode"
 
 
 def test_bind_form_endpoint_is_refused_with_the_fix() -> None:
@@ -268,15 +381,19 @@ async def test_conflicts_are_invalid_registration(
 ) -> None:
     assert (await call(client, "POST", "/register", conductor_body()))[0] == 200
     await registered(registry, 1)
-    for body in (
-        conductor_body(block_size=16),  # same service key, different registration
-        conductor_body(hash_profile={**PROFILE, "python_hash_seed": "1"}),
-        conductor_body(tenant_id="t"),  # the same instance rank under another tenant
-        conductor_body(instance_id="vllm-9"),  # another key on the same endpoint
+    for body, field in (
+        (conductor_body(block_size=16), "block_size"),  # same service key, another stream
+        (conductor_body(hash_profile={**PROFILE, "python_hash_seed": "1"}), "hash_profile"),
+        (conductor_body(tenant_id="t"), "tenant_id"),  # the same instance rank, another tenant
+        (conductor_body(instance_id="vllm-9"), "endpoint"),  # another key on the same endpoint
     ):
         status, error, _ = await call(client, "POST", "/register", body)
-        assert (status, error["reason"]) == (400, "invalid_registration"), error
-        assert set(error) == {"error", "reason"}
+        assert (status, error["reason"], error["field"]) == (
+            400,
+            "invalid_registration",
+            field,
+        ), error
+        assert set(error) == {"error", "reason", "field"}
 
 
 REFUSED = [
@@ -475,3 +592,91 @@ async def test_a_replica_reads_the_list_and_writes_nothing(
             assert (await call(replica, "POST", "/unregister", gone))[0] == 403
     finally:
         await replica_log.stop()
+
+
+@pytest.mark.kafka
+async def test_a_registration_that_adds_fields_merges(
+    client: Client, registry: RegistrationLog
+) -> None:
+    """The engine's own registration (JSON) first, then Mooncake's router's
+    (msgpack): both 200, one merged registration listed and stored."""
+    async with client.post("/register", json=engine_body()) as resp:
+        assert (resp.status, await resp.json()) == (
+            200,
+            {"status": "registered successfully", "instance_id": "vllm-0"},
+        )
+    await registered(registry, 1)
+    ok = {"status": "registered successfully", "instance_id": "vllm-0"}
+    assert (await call(client, "POST", "/register", conductor_body()))[:2] == (200, ok)
+    key = StreamKey("vllm-0", 0)
+    await wait_for(
+        lambda: registry.catalog[key].body.hash_profile is not None, 20, "the merge read back"
+    )
+    status, services, _ = await call(client, "GET", "/services", headers={})
+    assert status == 200 and services["count"] == 1
+    (view,) = services["services"]
+    assert view["ReplayEndpoint"] == "tcp://127.0.0.1:5558"  # the engine's
+    assert view["HashProfile"] == {**PROFILE, "root_digest": ROOT_0}  # the router's
+    pub = registry.catalog[key].publisher
+    assert (pub.offload, pub.report_mode) == ("pool", "full")
+    # Either again adds nothing: nothing is written.
+    end = await registry.consumer.end_offsets(list(registry.consumer.assignment()))
+    assert (await call(client, "POST", "/register", conductor_body()))[:2] == (200, ok)
+    async with client.post("/register", json=engine_body()) as resp:
+        assert resp.status == 200
+    assert await registry.consumer.end_offsets(list(registry.consumer.assignment())) == end
+    # A contradiction is still one, in either form, naming the field.
+    async with client.post("/register", json=engine_body(kv_offload="local")) as resp:
+        assert resp.status == 400
+        assert "kv_offload" in (await resp.json())["error"]
+
+
+@pytest.mark.kafka
+async def test_a_merge_at_the_daemon_restarts_the_bridges_stream_with_its_headers(
+    kafka_bootstrap: str, ctx: zmq.asyncio.Context
+) -> None:
+    """The router's registration at the daemon first; the engine's own at the
+    bridge merges into it, and the records carry the engine's headers."""
+    pub = FakePublisher(ctx)
+    cfg, bcfg = daemon_and_bridge(kafka_bootstrap)
+    key = StreamKey("vllm-0", 0)
+    router = conductor_body(endpoint=pub.endpoint)
+    engine = engine_body(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint)
+    try:
+        async with running(cfg) as daemon, running_bridge(bcfg) as bridge:
+            log = daemon.registrations
+            assert log is not None and daemon.http_port and bridge.http_port
+            await wait_for(log.loaded.is_set, 30, "the daemon's registrations")
+            assert (await post_msgpack(daemon.http_port, "/register", router))[0] == 200
+            await wait_for(lambda: key in bridge.streams, 30, "the bridge relays it")
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"http://127.0.0.1:{bridge.http_port}/register", json=engine) as r,
+            ):
+                assert r.status == 200, await r.text()
+            await wait_for(
+                lambda: key in bridge.streams and bridge.streams[key].pub.report_mode == "full",
+                30,
+                "the stream restarted with the merged registration",
+            )
+            await wait_for(
+                lambda: key in log.catalog and log.catalog[key].body.kv_offload == "pool",
+                10,
+                "the merge read back at the daemon",
+            )
+            assert log.catalog[key].body.hash_profile == HashProfile(**PROFILE)
+            await pub.wait_subscribed()
+            await pub.publish(vllm_payload([stored([1], list(range(4)), block_size=4)], 0))
+
+            data: list[Any] = []
+
+            async def relayed() -> bool:
+                records = await read_all(kafka_bootstrap, cfg.kafka.engine_topic)
+                data[:] = [r for r in records_for(records, "vllm-0") if r.value]
+                return bool(data)
+
+            await wait_for(relayed, 30, "a record relayed")
+            headers = headers_of(data[-1])
+            assert (headers["kv-offload"], headers["kv-report-mode"]) == ("pool", "full")
+    finally:
+        await pub.close()

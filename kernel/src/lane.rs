@@ -121,6 +121,10 @@ type CtxOut = (usize, [u64; TIERS], u8, f64);
 type InstOut = (Py<PyString>, f64, Vec<(u32, u64)>);
 type RunOut = (usize, u8, Option<u64>, f64, Vec<(&'static str, u64)>, Vec<(usize, usize, u64)>, Vec<CtxOut>, Vec<InstOut>);
 
+/// `EngineLane::window`'s bounds.
+const MIN_WINDOW: usize = 16;
+const MAX_WINDOW: usize = 1 << 16;
+
 #[pyclass(module = "kvconductor._kernel")]
 pub struct EngineLane {
     full_kinds: Vec<String>,
@@ -134,6 +138,10 @@ pub struct EngineLane {
     /// The signature and instance of the record `run` last stopped at for a context.
     miss: Option<(Vec<u8>, Vec<u8>)>,
     sig: Vec<u8>,
+    /// Records `run_free` reads ahead: twice what the last call got
+    /// through. Reading the whole rest of a batch at every call made a
+    /// batch whose records stop the lane often quadratic in its length.
+    window: usize,
     spare: engine_wire::Spare,
     /// A record's event tiers.
     tiers: Vec<usize>,
@@ -720,6 +728,7 @@ impl EngineLane {
             insts: HashMap::new(),
             miss: None,
             sig: Vec::new(),
+            window: MIN_WINDOW,
             spare: engine_wire::Spare::default(),
             tiers: Vec::new(),
             work: Work::default(),
@@ -768,7 +777,8 @@ impl EngineLane {
         for ctx in self.ctxs.iter_mut().flatten() {
             ctx.busy = !ctx.pending.bind(py).is_empty();
         }
-        let items = (start..records.len()).map(|i| records.get_item(i)).collect::<PyResult<Vec<_>>>()?;
+        let end = records.len().min(start.saturating_add(self.window));
+        let items = (start..end).map(|i| records.get_item(i)).collect::<PyResult<Vec<_>>>()?;
         let mut sig = std::mem::take(&mut self.sig);
         let mut recs = Vec::with_capacity(items.len());
         let mut sigs = Vec::new();
@@ -793,10 +803,14 @@ impl EngineLane {
                     Step::Gil => return Ok((i, GIL, None)),
                 }
             }
-            // Past the records read: the next is the Python path's, or none is left.
+            // Past the records read: the next is the Python path's, or
+            // none is left in the window (the caller calls again).
             let code = if unread { PYTHON } else { DONE };
             Ok((start + read, code, None))
         });
+        if let Ok((stop, _, _)) = &result {
+            self.window = (2 * (stop - start + 1)).clamp(MIN_WINDOW, MAX_WINDOW);
+        }
         self.sig = sig;
         let (stop, code, rank) = result?;
         Ok(self.output(py, stop, code, rank, now))

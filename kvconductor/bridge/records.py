@@ -23,6 +23,7 @@ from kvconductor.wire.records import (
     KV_DP_RANK,
     KV_MODEL,
     KV_OFFLOAD,
+    KV_REPORT_MODE,
     KV_SALT,
     KV_SEQ,
     KV_SOURCE,
@@ -62,6 +63,8 @@ def base_headers(pub: PublisherConfig, rank: int) -> Headers:
     h[KV_DP_RANK] = str(rank)
     if pub.kind == "engine":
         h[KV_OFFLOAD] = pub.offload
+    if pub.report_mode is not None:
+        h[KV_REPORT_MODE] = pub.report_mode
     return [(k, v.encode()) for k, v in h.items()]
 
 

@@ -35,11 +35,13 @@ is off), 503 (with `Retry-After`: more than
 `BODY_BUDGET_FACTOR * max_body_bytes` of request bodies buffered at once).
 A client that hangs up mid-request is counted in the metrics as 499.
 
-Slow clients: a connection must deliver each request's headers within
-`client_timeout_s` of connecting or of its previous answer, or it is closed
-(aiohttp's keep-alive timer, which also closes idle connections), and then
-the body within `client_timeout_s` more, or it gets 408. Answers 408 and 413
-close the connection. `Expect: 100-continue` is only answered with 100 when
+Slow and idle clients: a connection must deliver each request's headers
+within `idle_timeout_s` of connecting or of its previous answer, or it is
+closed (aiohttp's keep-alive timer, which is the idle timeout as well as the
+slow-header one), and then the body within `client_timeout_s` more, or it
+gets 408. Answers 408 and 413 close the connection, and so does a
+connection's `max_requests_per_connection`-th answer, which says
+`Connection: close`. `Expect: 100-continue` is only answered with 100 when
 the body would be read (token right, declared size within the limit).
 
 The index is synchronous and fast, so handlers call it directly on the event
@@ -54,6 +56,7 @@ here with its connection.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -63,7 +66,11 @@ import structlog
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler
 
-from kvconductor.config import DEFAULT_CLIENT_TIMEOUT_S
+from kvconductor.config import (
+    DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_REQUESTS_PER_CONNECTION,
+)
 from kvconductor.http.auth import bearer_ok, header_bytes
 from kvconductor.index.query import namespace_of
 from kvconductor.obs.metrics import CONTENT_TYPE, Metrics
@@ -170,6 +177,8 @@ class QueryApi:
         auth_token: str | None,
         client_timeout_s: float,
         registrations: RegistrationLog | None = None,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_requests_per_connection: int = DEFAULT_MAX_REQUESTS_PER_CONNECTION,
     ) -> None:
         self.conductor = conductor
         self.registrations = registrations
@@ -177,6 +186,11 @@ class QueryApi:
         self.ready_check = ready
         self.max_body_bytes = max_body_bytes
         self.client_timeout_s = client_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_requests_per_connection = max_requests_per_connection
+        # Answers written on each open connection aiohttp serves (the query
+        # front's count carried over at the hand-over); gone with the transport.
+        self.answered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.body_budget = BODY_BUDGET_FACTOR * max_body_bytes
         self.buffered = 0  # bytes of request bodies held right now
         self._token = auth_token.encode("utf-8") if auth_token else None
@@ -184,6 +198,19 @@ class QueryApi:
         self.latency_hash = metrics.query_latency.labels("query_by_hash")
         self.latency_tiered = metrics.query_latency.labels("query_tiered_by_hash")
         self._requests: dict[tuple[str, int], Any] = {}
+
+    async def count_answer(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer aiohttp writes: the connection's last one, at
+        `max_requests_per_connection`, closes it. The hook runs after the
+        headers are made, so `Connection: close` is set here too."""
+        transport = request.transport
+        if transport is None:
+            return
+        answered = self.answered.get(transport, 0) + 1
+        self.answered[transport] = answered
+        if answered >= self.max_requests_per_connection:
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
 
     # -------------------------------------------------------- middleware
 
@@ -468,6 +495,8 @@ def make_app(
     max_body_bytes: int,
     auth_token: str | None,
     client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    max_requests_per_connection: int = DEFAULT_MAX_REQUESTS_PER_CONNECTION,
     registrations: RegistrationLog | None = None,
 ) -> web.Application:
     """The aiohttp application serving the query API, registration (off
@@ -476,8 +505,22 @@ def make_app(
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if not client_timeout_s > 0:
         raise ValueError(f"client_timeout_s must be positive, got {client_timeout_s}")
+    if not idle_timeout_s > 0:
+        raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
+    if max_requests_per_connection < 1:
+        raise ValueError(
+            f"max_requests_per_connection must be at least 1, got {max_requests_per_connection}"
+        )
     api = QueryApi(
-        conductor, metrics, ready, max_body_bytes, auth_token, client_timeout_s, registrations
+        conductor,
+        metrics,
+        ready,
+        max_body_bytes,
+        auth_token,
+        client_timeout_s,
+        registrations,
+        idle_timeout_s,
+        max_requests_per_connection,
     )
     app = web.Application(
         client_max_size=max_body_bytes,
@@ -485,9 +528,10 @@ def make_app(
         # aiohttp closes a connection whose keep-alive timer fires while it
         # waits for a request's headers, from connect or from the last answer:
         # that is the header timeout (slowloris) as well as the idle one.
-        handler_args={"keepalive_timeout": client_timeout_s},
+        handler_args={"keepalive_timeout": idle_timeout_s},
     )
     app[API_KEY] = api
+    app.on_response_prepare.append(api.count_answer)
     app.router.add_post("/query", api.query, name="query", expect_handler=api.expect)
     app.router.add_post(
         "/query_by_hash", api.query_by_hash, name="query_by_hash", expect_handler=api.expect

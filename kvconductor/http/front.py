@@ -26,11 +26,22 @@ http_api's rules. A query is a pure read, so a refused one answered again by
 aiohttp answers the same.
 
 The front keeps aiohttp's two timers with one lazily re-armed deadline: a
-request's head must arrive within `client_timeout_s` of connecting or of
-the previous answer (else the connection is closed), and its body within
-`client_timeout_s` more (else 408, closed); the clock does not run while
-the client leaves its answers unread. A client that hangs up with a body
-half sent is counted as 499, as aiohttp's path counts it.
+request's head must arrive within `idle_timeout_s` of connecting or of the
+previous answer (else the connection is closed: the keep-alive timeout,
+aiohttp's `keepalive_timeout`), and its body within `client_timeout_s` more
+(else 408, closed); the clock does not run while the client leaves its
+answers unread. A client that hangs up with a body half sent is counted as
+499, as aiohttp's path counts it.
+
+Limits: at most `max_connections` connections are open at once, the
+front's and those handed to aiohttp together; one more is closed as soon as
+it is accepted, before anything is read or written, and counted
+(`kvconductor_http_connections_refused_total`). Closing costs the least
+under a flood, and an answer written onto a request left unread can be lost
+to the reset the close sends anyway. A connection's
+`max_requests_per_connection`-th answer says `Connection: close` and the
+connection closes after it, on either path (aiohttp's through the app's
+`on_response_prepare`, counting on from the front's answers).
 
 Where the two still differ, by choice: a good request that arrives in one
 segment with a head aiohttp refuses is answered (aiohttp answers only the
@@ -54,7 +65,9 @@ from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.tcp_helpers import tcp_keepalive
 
+from kvconductor.config import DEFAULT_MAX_CONNECTIONS
 from kvconductor.http.api import API_KEY, QueryApi, error_body
+from kvconductor.obs.logs import RateLimitedLog
 from kvconductor.wire.conductor import MSGPACK
 
 # Heads past aiohttp's limits (its request handler's defaults: lines of
@@ -181,6 +194,7 @@ class QueryFront(asyncio.Protocol):
     """One connection, until it is closed or handed over to aiohttp."""
 
     __slots__ = (
+        "answered",
         "buf",
         "deadline",
         "end",
@@ -213,16 +227,24 @@ class QueryFront(asyncio.Protocol):
         self.paused = False  # writing: the client is not reading its answers
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.answered = 0  # answers written on this connection
 
     # ------------------------------------------------------ transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses.
-        self.transport = transport = cast(asyncio.Transport, transport)
-        tcp_keepalive(transport)
-        self.site.fronts.add(self)
-        self._restart_deadline()
-        self.timer = self.site.loop.call_at(self.deadline, self._on_timer)
+        tcp = cast(asyncio.Transport, transport)
+        site = self.site
+        if site.open_connections() >= site.max_connections:
+            # Refused before anything is read: connection_lost finds nothing to settle.
+            site.refuse()
+            tcp.abort()
+            return
+        self.transport = tcp
+        tcp_keepalive(tcp)
+        site.fronts.add(self)
+        self._restart_deadline(idle=True)
+        self.timer = site.loop.call_at(self.deadline, self._on_timer)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -246,7 +268,7 @@ class QueryFront(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
-        self._restart_deadline()
+        self._restart_deadline(idle=True)
         assert self.transport is not None
         self.transport.resume_reading()
 
@@ -274,7 +296,7 @@ class QueryFront(asyncio.Protocol):
                     self._hand_over()
                     return
                 self.route = route
-                self._restart_deadline()
+                self._restart_deadline(idle=False)
             if len(buf) < self.end:
                 # The body is still coming: it counts against the budget of
                 # bodies buffered at once, which aiohttp answers with 503.
@@ -293,12 +315,19 @@ class QueryFront(asyncio.Protocol):
             route.latency.observe(time.perf_counter() - started)
             del buf[: self.end]
             self._next_request()
-            self._restart_deadline()
+            self._restart_deadline(idle=True)
             api.count(route.endpoint, 200)
-            assert self.transport is not None
-            self.transport.write(
-                _answer_bytes(b"HTTP/1.1 200 OK", answer, self.site.date.now(), False)
-            )
+            self.answered += 1
+            last = self.answered >= api.max_requests_per_connection
+            transport = self.transport
+            assert transport is not None
+            transport.write(_answer_bytes(b"HTTP/1.1 200 OK", answer, self.site.date.now(), last))
+            if last:
+                # Written out first, then closed; pipelined requests after
+                # it are dropped unread, as `Connection: close` announced.
+                buf.clear()
+                transport.close()
+                return
             if not buf:
                 return
 
@@ -346,8 +375,12 @@ class QueryFront(asyncio.Protocol):
         self.fed = 0
         self.scan = 0
 
-    def _restart_deadline(self) -> None:
-        self.deadline = self.site.loop.time() + self.site.api.client_timeout_s
+    def _restart_deadline(self, idle: bool) -> None:
+        """The next request's head in `idle_timeout_s`, or (not `idle`)
+        the body of the one whose head is in, within `client_timeout_s`."""
+        api = self.site.api
+        timeout = api.idle_timeout_s if idle else api.client_timeout_s
+        self.deadline = self.site.loop.time() + timeout
 
     def _on_timer(self) -> None:
         transport = self.transport
@@ -356,7 +389,7 @@ class QueryFront(asyncio.Protocol):
         loop = self.site.loop
         if loop.time() < self.deadline or self.paused:
             if self.paused:
-                self._restart_deadline()
+                self._restart_deadline(idle=True)
             self.timer = loop.call_at(self.deadline, self._on_timer)
             return
         self.timer = None
@@ -395,6 +428,9 @@ class QueryFront(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         rest = bytes(self.buf)
+        if self.answered:
+            # aiohttp's side counts on from here (`max_requests_per_connection`).
+            self.site.api.answered[transport] = self.answered
         self._leave()
         handler = self.site.aiohttp_server()
         transport.set_protocol(handler)
@@ -427,6 +463,8 @@ class QuerySite(web.BaseSite):
         "date",
         "fronts",
         "loop",
+        "max_connections",
+        "refusals",
         "routes",
     )
 
@@ -438,8 +476,13 @@ class QuerySite(web.BaseSite):
         *,
         sock: socket.socket | None = None,
         backlog: int = 128,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         super().__init__(runner, backlog=backlog)
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self.max_connections = max_connections
+        self.refusals = RateLimitedLog("kvconductor.http")
         self._host = host
         self._port = port
         self._sock = sock  # listening already (tests, the benchmark): host and port unused
@@ -457,6 +500,19 @@ class QuerySite(web.BaseSite):
     @property
     def name(self) -> str:
         return f"http://{self._host or '0.0.0.0'}:{self._port}"
+
+    def open_connections(self) -> int:
+        """Connections open now: the front's, and those handed to aiohttp."""
+        return len(self.fronts) + len(self.aiohttp_server.connections)
+
+    def refuse(self) -> None:
+        """Count (and, at most once a minute, log) a connection over the limit."""
+        self.api.metrics.http_connections_refused.inc()
+        self.refusals.warn(
+            "max_connections",
+            "http connection refused: at max_connections",
+            max_connections=self.max_connections,
+        )
 
     async def start(self) -> None:
         await super().start()

@@ -121,7 +121,7 @@ class Conductor:
         batch = records if isinstance(records, list) else list(records)  # the lane takes lists
         i, n = 0, len(batch)
         while i < n:
-            if lane is not None:
+            if lane is not None and not lane.declines(batch[i]):
                 stop = yield from lane.run(batch, i)
                 notices += [Notice(at, Applied(b, missing), None) for at, b, missing in stop.gaps]
                 if not stop.python:

@@ -48,6 +48,12 @@ NEED_CONTEXT = 1
 PYTHON = 2
 GIL = 3
 _MAX_RANK = 1 << 16
+# Records of an instance the lane just failed on that go to the Python path
+# before the lane tries it again: twice as many as the last time, up to this,
+# until the lane applies one of its records. LoRA, copies, hybrid groups and
+# the like stay the Python path's for long stretches, and every failed try
+# costs a context and a decode that the Python path then repeats.
+DECLINE_MAX = 64
 
 # (record, blocks applied, kv-seq messages missing) of each gap
 Gap = tuple[int, int, int]
@@ -57,6 +63,7 @@ class _Context(NamedTuple):
     ns: NamespaceIndex
     dirty_key: tuple[NamespaceKey, str, int]
     source: str
+    key: bytes  # the instance's record key
 
 
 class Stop(NamedTuple):
@@ -89,6 +96,10 @@ class EngineLane:
         self.contexts: dict[int, _Context] = {}
         self.next_id = 0
         self.epoch = index.epoch
+        # Instance key -> records left that go straight to the Python path,
+        # and how many its last decline sent there (`DECLINE_MAX`).
+        self.declined: dict[bytes, int] = {}
+        self.strikes: dict[bytes, int] = {}
 
     def run(self, records: list[Incoming], start: int) -> Steps[Stop]:
         """Apply `records[start:]` until one the lane cannot (see the module doc)."""
@@ -111,14 +122,33 @@ class EngineLane:
             if code == NEED_CONTEXT and self._context(records[at], rank):
                 continue
             if code != DONE:
+                self._decline(records[at])
                 return Stop(at, True, gaps)
         return Stop(at, False, gaps)
+
+    def declines(self, rec: Incoming) -> bool:
+        """Whether `rec` goes to the Python path without the lane trying."""
+        return rec.pool or rec.key in self.declined
+
+    def _decline(self, rec: Incoming) -> None:
+        key = rec.key
+        if rec.pool or not isinstance(key, bytes):
+            return
+        if key.decode("utf-8", "replace") in self.index.instances:
+            n = min(2 * self.strikes.get(key, 1), DECLINE_MAX)
+            self.declined[key] = self.strikes[key] = n
 
     def forget(self, key: bytes | str | None) -> None:
         """The Python path applied a record of this instance."""
         if isinstance(key, bytes):
             for cid in self.kernel.forget(key):
                 del self.contexts[cid]
+            left = self.declined.get(key)
+            if left is not None:
+                if left > 1:
+                    self.declined[key] = left - 1
+                else:
+                    del self.declined[key]
 
     def _flush(self, out: _kernel.RunOut) -> None:
         """What the kernel changed beside the stores, as the Python path does it."""
@@ -129,8 +159,11 @@ class EngineLane:
             counters[name] += value
         applied = index.applied
         dirty = index.dirty
+        strikes = self.strikes
         for cid, blocks, stored, now in out[6]:
             ctx = self.contexts[cid]
+            if strikes:
+                strikes.pop(ctx.key, None)
             dirty.owners.add(ctx.dirty_key)
             for tier, name in enumerate(TIER_NAMES):
                 if stored >> tier & 1:
@@ -193,7 +226,7 @@ class EngineLane:
             rank,
             state.last_seq.get(rank),
         )
-        self.contexts[cid] = _Context(ns, (key, instance, rank), meta.source)
+        self.contexts[cid] = _Context(ns, (key, instance, rank), meta.source, rec.key)
         return True
 
     def _exact(self, state: InstanceState, ns: NamespaceIndex, key: NamespaceKey) -> bool:

@@ -548,14 +548,15 @@ class Index:
         self, tenant: str, model: str, local: list[int]
     ) -> tuple[int, dict[str, dict[int, tuple[int, int, int]]]]:
         """A prompt named by Dynamo's local block hashes, in the model's
-        unsalted namespaces of `tenant` (`query.run_local_hash_query`)."""
+        namespaces of `tenant`, salted ones included (`query.run_local_hash_query`):
+        Dynamo's request does not name its salt, its hashes carry it."""
         candidates = sorted(
             (
                 ns
                 for key, ns in self.namespaces.items()
-                if key.tenant == tenant and key.model == model and not key.salt
+                if key.tenant == tenant and key.model == model
             ),
-            key=lambda ns: (ns.block_size, ns.key.lora_name or ""),
+            key=lambda ns: (ns.key.salt, ns.block_size, ns.key.lora_name or ""),
         )
         return run_local_hash_query(candidates, local)
 

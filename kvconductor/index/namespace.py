@@ -53,6 +53,7 @@ from kvconductor.wire.events import Tokens
 from kvconductor.wire.hashing import (
     block_identity,
     chain_identities,
+    dynamo_seed,
     local_hashes,
     lora_seed,
     pack_tokens,
@@ -197,7 +198,13 @@ class NamespaceIndex:
         # so a replay of the same records drops exactly the same halves.
         self.now = 0.0
         # Dynamo's local block hashes -> identities (`local_hashes`); None: off.
-        self.local_map = LocalHashMap(local_hash_map) if local_hash_map else None
+        # Dynamo seeds them with the salt, identities chain from `seed`.
+        self.local_seed = dynamo_seed(key.lora_name, key.salt)
+        self.local_map = (
+            LocalHashMap(local_hash_map, rooted=self.local_seed != self.seed)
+            if local_hash_map
+            else None
+        )
 
     def touch(self, now: float) -> None:
         if now > self.now:
@@ -501,7 +508,7 @@ class NamespaceIndex:
         """Keep the local-hash edges of a chain from identity `parent` (None:
         from the first block), when on."""
         if self.local_map is not None and idents:
-            local = local_hashes(token_bytes, len(idents), self.block_size, self.seed)
+            local = local_hashes(token_bytes, len(idents), self.block_size, self.local_seed)
             self.local_map.learn(parent, local, idents)
 
     def store_owner(

@@ -230,13 +230,14 @@ def run_local_hash_query(
 ) -> tuple[int, dict[str, dict[int, tuple[int, int, int]]]]:
     """A prompt named by Dynamo's local block hashes (u64, from its first
     block), against the namespaces it may be in (`candidates`: one model
-    and tenant, unsalted, any block size and LoRA, in a stable order): the
+    and tenant, any salt, block size and LoRA, in a stable order): the
     block size and `run_query_ranks`' match of the namespace where it
     matches longest (the first such), or of the first candidate when none
     matches; (0, {}) without candidates.
 
-    Local hashes carry the block size and LoRA seed, so in practice only
-    one namespace knows a prompt's first block."""
+    Local hashes carry the block size and the seed of the LoRA and salt
+    (`hashing.dynamo_seed`), so in practice only one namespace knows a
+    prompt's first block."""
     best: tuple[int, NamespaceIndex, Matched] | None = None
     for ns in candidates:
         if ns.local_map is None or not ns.all_bits:

@@ -236,6 +236,11 @@ class Metrics:
             ["endpoint", "code"],
             registry=r,
         )
+        self.http_connections_refused = Counter(
+            "kvconductor_http_connections_refused",
+            "HTTP connections closed on arrival: [http] max_connections were open.",
+            registry=r,
+        )
         self.query_latency = Histogram(
             "kvconductor_query_latency_seconds",
             "Time to decode, answer and encode one query, by endpoint.",

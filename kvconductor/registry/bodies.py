@@ -8,12 +8,15 @@ Two request forms, one registration:
   or `TensorRT-LLM`: an engine; `Mooncake`: a pool backend; any case),
   `modelname`, `lora_name`, `tenant_id` (default "default"), `instance_id`,
   `block_size`, `dp_rank` (default 0), `additionalsalt`, and optionally
-  `hash_profile` and `cache_group` as below; kvconductor's extension
-  `kv_offload` (`local` or `pool`, engines only). Unknown fields are ignored.
+  `hash_profile` and `cache_group` as below; kvconductor's extensions
+  `kv_offload` (`local` or `pool`, engines only) and `kv_report_mode`
+  (`incremental` or `full`, vLLM's `kv_cache_report_mode`, engines only;
+  null or absent: not said). Unknown fields are ignored.
 - msgpack (Mooncake Conductor's, `indexer-api-design.md`): `endpoint`,
   `type`, `modelname`, `instance_id`, `block_size`, `dp_rank` and
   `hash_profile` required, `replay_endpoint`, `lora_name`, `tenant_id`,
-  `cache_group` (0 or null) and `kv_offload` optional, nothing else.
+  `cache_group` (0 or null), `kv_offload` and `kv_report_mode` optional,
+  nothing else.
 
 `hash_profile` is `{strategy: "vllm_v1", algorithm: "sha256_cbor" | "sha256",
 python_hash_seed: "random" or decimal text in 0..4294967295, index_projection:
@@ -28,10 +31,14 @@ blocks an engine stored without token ids (`registered_profiles`,
 A registration is one socket of one rank. Its service key is Conductor's
 `instance|tenant|rank`; on the topic it is keyed by `["<instance_id>",
 <dp_rank>]` (one stream per instance and rank), so a second tenant for the
-same instance and rank is a conflict. Registering exactly the same
-registration again changes nothing; a different one for a registered key,
-or one whose endpoint another key has, is refused (`invalid_registration`):
-unregister first to replace it.
+same instance and rank is a conflict. Two registrations of one stream (an
+engine's own and a router's, in either order) merge (`merge_registrations`):
+the fields that name the stream and its namespace must agree, and each
+other field is taken from whichever registration sets it, so a repeat, or
+a registration that says less, changes nothing. A registration that
+contradicts the registered one in a field, or whose endpoint another key
+has, is refused (`invalid_registration`, naming the field): unregister
+first to replace it.
 
 Nothing here touches Kafka or HTTP: `registration_log` keeps the topic,
 `registration_http` serves the routes.
@@ -47,6 +54,7 @@ import msgspec
 from kvconductor.config import ConfigError
 from kvconductor.registry.publishers import PublisherConfig, StreamKey, publisher_from_mapping
 from kvconductor.wire.engine_hashes import DEFAULT_NONE_HASH_SEED, VllmProfile, none_hash
+from kvconductor.wire.records import REPORT_MODES
 
 VERSION = 1
 
@@ -88,6 +96,7 @@ class RegisterBody(msgspec.Struct, kw_only=True):
     kv_offload: str | None = None
     hash_profile: HashProfile | None = None
     cache_group: int | None = None
+    kv_report_mode: str | None = None
 
 
 class ConductorRegister(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -103,6 +112,7 @@ class ConductorRegister(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tenant_id: str | None = None
     cache_group: int | None = None
     kv_offload: str | None = None
+    kv_report_mode: str | None = None
 
     def body(self) -> RegisterBody:
         # Every field here is one of RegisterBody's, under the same name.
@@ -235,6 +245,12 @@ def to_publisher(body: RegisterBody) -> PublisherConfig:
         raise InvalidRegistration(
             "only cache group zero is supported", "unsupported", "cache_group"
         )
+    if body.kv_report_mode is not None and body.kv_report_mode not in REPORT_MODES:
+        raise InvalidRegistration(
+            f"kv_report_mode: expected incremental or full, got {body.kv_report_mode!r}",
+            "invalid_value",
+            "kv_report_mode",
+        )
     raw: dict[str, object] = {
         "id": body.instance_id,
         "endpoint": body.endpoint,
@@ -253,6 +269,8 @@ def to_publisher(body: RegisterBody) -> PublisherConfig:
         raw["lora_name"] = body.lora_name
     if body.kv_offload:
         raw["offload"] = body.kv_offload
+    if body.kv_report_mode is not None:
+        raw["report_mode"] = body.kv_report_mode
     raw = {k: v for k, v in raw.items() if v is not None}
     names = {
         "id": "instance_id",
@@ -260,6 +278,7 @@ def to_publisher(body: RegisterBody) -> PublisherConfig:
         "tenant": "tenant_id",
         "salt": "additionalsalt",
         "offload": "kv_offload",
+        "report_mode": "kv_report_mode",
     }
     try:
         return publisher_from_mapping(raw, "registration")
@@ -270,15 +289,79 @@ def to_publisher(body: RegisterBody) -> PublisherConfig:
         raise InvalidRegistration(f"{field}:{why}", field=field) from None
 
 
+def read_as(body: RegisterBody) -> tuple[PublisherConfig, HashProfile | None, int | None]:
+    """What a valid body registers, however its defaults and names are
+    spelt: its publisher, profile and cache group (every field of the body
+    is read into one of them)."""
+    return to_publisher(body), body.hash_profile, body.cache_group
+
+
 def same_registration(a: RegisterBody, b: RegisterBody) -> bool:
-    """Whether two valid bodies register the same thing (a repeat): the
-    same publisher, profile and cache group, however the defaults were
-    spelt."""
-    return (
-        to_publisher(a) == to_publisher(b)
-        and a.hash_profile == b.hash_profile
-        and a.cache_group == b.cache_group
-    )
+    """Whether two valid bodies register the same thing (a repeat)."""
+    return read_as(a) == read_as(b)
+
+
+# The fields that name a stream (instance, rank, socket, kind) and its
+# namespace (tenant, model, block size, LoRA), each with the publisher field
+# it is read as. Their absence means a default (tenant `default`, the base
+# model), never "not said", so two registrations of one stream must agree
+# on them, compared as read (`vLLM` is `vllm`, a null tenant is `default`).
+# Every other field is optional: absent (null, or "" for text) says
+# nothing, so the other registration's value stands.
+STREAM_FIELDS = {
+    "endpoint": "endpoint",
+    "type": "source",
+    "instance_id": "id",
+    "dp_rank": "dp_rank",
+    "tenant_id": "tenant",
+    "modelname": "model",
+    "block_size": "block_size",
+    "lora_name": "lora_name",
+}
+
+
+def _said(value: object) -> bool:
+    return value is not None and value != ""
+
+
+def merge_registrations(old: RegisterBody, new: RegisterBody) -> RegisterBody:
+    """The registration two valid bodies of one stream make together: `old`
+    where it says a field, else `new`'s. A body that says less than `old`,
+    or the same, gives `old` back unchanged (a repeat). InvalidRegistration
+    (naming the field) where they contradict each other: a stream field
+    that differs as read, or an optional field both set differently."""
+    pub_old, pub_new = to_publisher(old), to_publisher(new)
+    registered = read_as(old)
+    merged: dict[str, object] = {}
+    for f in msgspec.structs.fields(RegisterBody):
+        mine, theirs = getattr(old, f.name), getattr(new, f.name)
+        attr = STREAM_FIELDS.get(f.name)
+        if attr is not None:
+            differs = getattr(pub_old, attr) != getattr(pub_new, attr)
+        else:
+            # Set in both: a contradiction unless the two read alike
+            # (`Pool` is `pool`).
+            differs = (
+                _said(mine)
+                and _said(theirs)
+                and mine != theirs
+                and read_as(msgspec.structs.replace(old, **{f.name: theirs})) != registered
+            )
+        if differs:
+            raise InvalidRegistration(
+                f"conflicting registration for service key {body_key(old)}: {f.name} is "
+                f"{_shown(theirs)} here, {_shown(mine)} registered"
+                " (unregister it first to replace it)",
+                field=f.name,
+            )
+        merged[f.name] = mine if attr is not None or _said(mine) else theirs
+    return RegisterBody(**merged)  # type: ignore[arg-type]
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, msgspec.Struct):
+        return msgspec.json.encode(value).decode()
+    return repr(value)
 
 
 # A context as Conductor names it: (tenant, model, LoRA or "", block size).

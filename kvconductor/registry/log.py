@@ -33,11 +33,11 @@ from kvconductor.registry.bodies import (
     body_key,
     decode_record_key,
     decode_record_value,
+    merge_registrations,
     record_key,
     record_value,
     registered_profiles,
     registered_ranks,
-    same_registration,
     to_publisher,
 )
 from kvconductor.registry.publishers import PublisherConfig, StreamKey
@@ -186,35 +186,35 @@ class RegistrationLog:
 
     # ------------------------------------------------------------- writes
 
-    def check(self, body: RegisterBody) -> tuple[StreamKey, bool]:
-        """The body's key and whether it is new (False: the same as the one
-        registered); InvalidRegistration when it conflicts with one."""
+    def check(self, body: RegisterBody) -> tuple[StreamKey, RegisterBody | None]:
+        """The body's key and what to write for it: the body, or its merge
+        with the registered one (`merge_registrations`); None when the
+        registered one already says it all. InvalidRegistration when it
+        contradicts one."""
         pub = to_publisher(body)
         key = StreamKey(pub.id, pub.dp_rank)
         old = self.catalog.get(key)
         if old is not None:
-            if same_registration(old.body, body):
-                return key, False
-            raise InvalidRegistration(
-                f"conflicting registration for service key: {body_key(old.body)}"
-                " (unregister it first to replace it)"
-            )
+            merged = merge_registrations(old.body, body)
+            return key, (None if merged == old.body else merged)
         for other, entry in self.catalog.items():
             if entry.publisher.endpoint == pub.endpoint:
                 raise InvalidRegistration(
                     f"conflicting active registration for endpoint: {pub.endpoint}"
-                    f" (service key {body_key(entry.body)}, {other.id} rank {other.rank})"
+                    f" (service key {body_key(entry.body)}, {other.id} rank {other.rank})",
+                    field="endpoint",
                 )
-        return key, True
+        return key, body
 
     async def register(self, body: RegisterBody) -> StreamKey:
-        """Write a new registration to the topic; a repeat writes nothing."""
-        key, new = self.check(body)
-        if new:
-            partition = await self._write(key, record_value(body))
+        """Write a new or merged registration to the topic; one the
+        registered one already says writes nothing."""
+        key, write = self.check(body)
+        if write is not None:
+            partition = await self._write(key, record_value(write))
             # Taken at once, not when read back: a repeat or a conflict right
             # after it is seen as one.
-            await self._changed(key, Entry(partition, to_publisher(body), body))
+            await self._changed(key, Entry(partition, to_publisher(write), write))
         return key
 
     def find(self, instance_id: str, tenant_id: str | None, dp_rank: int) -> StreamKey | None:

@@ -21,6 +21,10 @@ from kvconductor.config import ConfigError
 Kind = Literal["engine", "pool"]
 Source = Literal["vllm", "sglang", "trtllm", "mooncake"]
 Offload = Literal["local", "pool"]
+# vLLM's `kv_cache_report_mode`: whether the engine reports each block once
+# ("incremental") or re-announces what it holds ("full"); its records carry
+# it in the `kv-report-mode` header.
+ReportMode = Literal["incremental", "full"]
 
 ENGINE_SOURCES = frozenset({"vllm", "sglang", "trtllm"})
 MAX_RANK = 1 << 16
@@ -44,6 +48,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True):
     salt: str = ""
     lora_name: str | None = None
     offload: Offload = "local"
+    report_mode: ReportMode | None = None
 
     @property
     def ranks(self) -> range:
@@ -67,6 +72,7 @@ class _RawPublisher(msgspec.Struct, frozen=True, kw_only=True):
     salt: str = ""
     lora_name: str | None = None
     offload: Offload = "local"
+    report_mode: ReportMode | None = None
 
 
 _PUBLISHER_FIELDS = {f.name: f for f in msgspec.structs.fields(_RawPublisher)}
@@ -154,6 +160,8 @@ def publisher_from_mapping(raw: Mapping[str, Any], where: str) -> PublisherConfi
             raise fail("block_size", "required for an engine (header kv-block-size)")
     elif p.offload != "local":
         raise fail("offload", "applies to engines only")
+    elif p.report_mode is not None:
+        raise fail("report_mode", "applies to engines only")
     if p.model is not None and not p.model.strip():
         raise fail("model", "must not be blank")
     if p.block_size is not None and not 1 <= p.block_size <= MAX_BLOCK_SIZE:
@@ -186,6 +194,7 @@ def publisher_from_mapping(raw: Mapping[str, Any], where: str) -> PublisherConfi
         salt=p.salt,
         lora_name=p.lora_name,
         offload=p.offload,
+        report_mode=p.report_mode,
     )
 
 

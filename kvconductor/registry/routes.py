@@ -12,10 +12,12 @@ read (405, 401, 413) and the `GET` routes' answers are msgpack, unless the
 request is typed `application/json` or (a `GET`) accepts JSON only.
 
 - `/register`: 200 `{"status": "registered successfully", "instance_id"}`
-  once the registration is on the registrations topic (or was already
-  there, identical); 400 for one that is invalid or conflicts with a
-  registered one; 403 at a query replica, which reads the registrations
-  but never writes to Kafka (an identical repeat is still 200 there); 409
+  once the registration, or its merge with the registered one of its
+  stream (`bodies.merge_registrations`), is on the registrations topic (or
+  the registered one already said it all); 400 for one that is invalid or
+  contradicts a registered one; 403 at a query replica, which reads the
+  registrations but never writes to Kafka (a registration that adds
+  nothing is still 200 there); 409
   for a rank a bridge's config file defines; 503 while Kafka or the
   registrations are unavailable.
 - `/unregister`: 200 `{"status": "unregistered successfully",

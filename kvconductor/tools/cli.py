@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvconductor.config import ConfigError, KafkaConfig, LogConfig, load_config
+from kvconductor.tools.termui import ToolError
 
 
 def _serve(main: Coroutine[Any, Any, int], log: LogConfig, kafka: KafkaConfig) -> int:
@@ -71,8 +72,11 @@ def _dead_letters(args: argparse.Namespace) -> int:
 
 
 def _bridge(args: argparse.Namespace) -> int:
-    from kvconductor.bridge.app import run_bridge
-    from kvconductor.bridge.config import load_bridge_config
+    from kvconductor.tools.extras import needs_extra
+
+    with needs_extra("bridge", "kvconductor bridge"):
+        from kvconductor.bridge.app import run_bridge
+        from kvconductor.bridge.config import load_bridge_config
 
     cfg = load_bridge_config(Path(args.config) if args.config else None)
     return _serve(run_bridge(cfg), cfg.log, cfg.kafka)
@@ -228,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    except ToolError as exc:  # a command's own one-line failure (a missing extra)
+        print(f"kvconductor: error: {exc}", file=sys.stderr)
+        return exc.code
     except KeyboardInterrupt:
         return 130
     return code

@@ -7,7 +7,8 @@ indexer (ai-dynamo/dynamo, lib/kv-router: `TieredQueryByHashRequest`,
     {"block_hashes": [i64, ...], "model_name": str, "routing_group": str}
 
 where each hash is the local hash of one full block of the prompt, from the
-first (contract section 1, LoRA seed included), and reads
+first (contract section 1, LoRA seed included; for a salted request, its
+`cache_namespace`, the salt's too: `hashing.dynamo_seed`), and reads
 
     {"block_size": u32,
      "tiered": {"device": {"scores": [[{"worker_id": u64, "dp_rank": u32}, blocks]],

@@ -49,6 +49,19 @@ def lora_seed(lora_name: str | None) -> int:
     return (BASE_SEED + _xxh3(lora_name.encode("utf-8"), 0)) & MASK64
 
 
+def dynamo_seed(lora_name: str | None, salt: str | None) -> int:
+    """The seed of Dynamo's local block hashes for a request: its LoRA seed
+    (`lora_seed`), plus, for a request in a cache namespace (Dynamo's
+    `cache_namespace`, a vLLM `cache_salt`), `xxh3_64(salt utf-8, seed 1)`,
+    wrapping. An empty name is none. Dynamo's rule (lib/kv-hashing
+    `compute_salt_hash`, the seed of lib/kv-router's
+    `compute_block_hash_for_seq`), as ai-dynamo-runtime 1.6.1 computes it."""
+    seed = lora_seed(lora_name or None)
+    if salt:
+        seed = (seed + _xxh3(salt.encode("utf-8"), 1)) & MASK64
+    return seed
+
+
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32; OverflowError outside u32, TypeError
     for a non-integer."""

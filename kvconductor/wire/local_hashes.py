@@ -2,10 +2,13 @@
 
 Dynamo's router names a prompt's blocks by their local hashes, each block's
 tokens hashed alone (contract section 1), while an identity chains from the
-block before (`hashing`). The first block's identity is its local hash; a
-later one cannot be computed from local hashes, so it is learnt: whenever
-blocks with tokens are stored, each (parent identity, local hash) ->
-identity edge is kept here.
+block before (`hashing`). Without a salt the first block's identity is its
+local hash; a later one cannot be computed from local hashes, so it is
+learnt: whenever blocks with tokens are stored, each (parent identity, local
+hash) -> identity edge is kept here. In a salted namespace Dynamo seeds every
+local hash with the salt (`hashing.dynamo_seed`) while identities chain from
+the unsalted seed, so the first block's identity is learnt too, as an edge
+from `ROOT` (a `rooted` map).
 
 Bounded, oldest first out: an evicted or stale edge only shortens an answer,
 never makes it wrong, because an identity the map yields still has to be
@@ -20,16 +23,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
+# The parent of a first block's edge in a rooted map: not a u64, so never an
+# identity.
+ROOT = -1
+
 
 class LocalHashMap:
-    """(parent identity, local hash) -> identity, at most `capacity` edges."""
+    """(parent identity, local hash) -> identity, at most `capacity` edges.
+    `rooted`: a first block's identity is not its local hash but an edge
+    from ROOT."""
 
-    __slots__ = ("capacity", "edges")
+    __slots__ = ("capacity", "edges", "rooted")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, rooted: bool = False) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
+        self.rooted = rooted
         # Insertion order is age order: the first key is the oldest edge.
         self.edges: dict[tuple[int, int], int] = {}
 
@@ -41,10 +51,13 @@ class LocalHashMap:
         starts at the prompt's first block): block k's local hash `local[k]`
         and identity `idents[k]`."""
         if parent is None:
-            # A first block's identity is its local hash: no edge to keep.
-            if not idents:
-                return
-            parent, local, idents = idents[0], local[1:], idents[1:]
+            if self.rooted:
+                parent = ROOT
+            else:
+                # A first block's identity is its local hash: no edge to keep.
+                if not idents:
+                    return
+                parent, local, idents = idents[0], local[1:], idents[1:]
         edges = self.edges
         for h, ident in zip(local, idents, strict=False):
             key = (parent, h)
@@ -63,9 +76,15 @@ class LocalHashMap:
         not known."""
         if not local:
             return []
-        ident = local[0]
-        out = [ident]
         get = self.edges.get
+        if self.rooted:
+            first = get((ROOT, local[0]))
+            if first is None:
+                return []
+            ident = first
+        else:
+            ident = local[0]
+        out = [ident]
         for h in local[1:]:
             nxt = get((ident, h))
             if nxt is None:

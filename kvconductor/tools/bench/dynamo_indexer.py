@@ -34,17 +34,20 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvconductor.tools.bench import raw_http
 from kvconductor.tools.bench.cluster import Record
 from kvconductor.tools.bench.measure import percentile, process_cpu_s
 from kvconductor.tools.bench.workload import Workload
+from kvconductor.tools.extras import needs_extra
 from kvconductor.tools.kafka_local import broker as kafka_local
 from kvconductor.wire.encode import vllm_payload, vllm_stored
+
+if TYPE_CHECKING:
+    import zmq
 
 THREADS = 4  # the indexer's default (a ThreadPoolIndexer)
 SCRAPE_S = 0.01
@@ -138,6 +141,9 @@ class _Publishers:
     """One PUB socket per instance, sequence numbers per socket."""
 
     def __init__(self, keys: Sequence[bytes]) -> None:
+        # pyzmq: the bench extra (the daemon's install has none).
+        with needs_extra("bench", "the benchmark's Dynamo indexer peer"):
+            import zmq
         self.ctx = zmq.Context()
         self.ports = dict(zip(keys, kafka_local.free_ports(len(keys)), strict=True))
         self.socks: dict[bytes, zmq.Socket[bytes]] = {}

@@ -15,6 +15,7 @@ import time
 from typing import cast
 
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
+_CONNECTION_CLOSE = re.compile(rb"\r\nconnection:[ \t]*close\b", re.IGNORECASE)
 
 
 def post(port: int, path: str, body: bytes) -> bytes:
@@ -28,13 +29,20 @@ def post(port: int, path: str, body: bytes) -> bytes:
 
 async def connect(port: int) -> RawConnection:
     _, conn = await asyncio.get_running_loop().create_connection(RawConnection, "127.0.0.1", port)
+    conn.port = port
     return conn
 
 
 class RawConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection carrying one request at a time."""
+    """One keep-alive HTTP/1.1 connection carrying one request at a time; an
+    answer that says `Connection: close` (the server's
+    `max_requests_per_connection`) closes it, and the next request opens
+    another."""
 
     def __init__(self) -> None:
+        self.port = 0
+        self._closing = False  # the answer being read says Connection: close
+        self._closed_by_us = 0  # connection_lost calls of transports closed here
         self._buffer = bytearray()
         self._end = -1  # where the answer in the buffer ends, once its head is in
         self._body_at = 0
@@ -57,16 +65,26 @@ class RawConnection(asyncio.Protocol):
                 self._fail(RuntimeError(f"answer without Content-Length: {head[:200]!r}"))
                 return
             self._status = int(head[9:12])
+            self._closing = _CONNECTION_CLOSE.search(head) is not None
             self._body_at = head_end + 4
             self._end = self._body_at + int(length.group(1))
         if len(self._buffer) >= self._end:
             answer = (self._status, bytes(self._buffer[self._body_at : self._end]))
             del self._buffer[: self._end]
             self._end = -1
+            if self._closing and self._transport is not None:
+                self._closing = False
+                self._closed_by_us += 1
+                self._transport.close()
+                self._transport = None
+                self._buffer.clear()
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(answer)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._closed_by_us:
+            self._closed_by_us -= 1
+            return
         self._fail(exc or ConnectionError("the server closed the connection"))
 
     def _fail(self, exc: BaseException) -> None:
@@ -75,10 +93,15 @@ class RawConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if self._transport is not None:
+            self._closed_by_us += 1
             self._transport.close()
+            self._transport = None
 
     async def exchange(self, request: bytes) -> tuple[int, bytes]:
         """Send one whole request; its status and body."""
+        if self._transport is None:
+            loop = asyncio.get_running_loop()
+            await loop.create_connection(lambda: self, "127.0.0.1", self.port)
         assert self._transport is not None
         self._waiter = asyncio.get_running_loop().create_future()
         self._transport.write(request)

@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 import xxhash
 
+from kvconductor.tools.extras import needs_extra
 from kvconductor.wire.encode import (
     VllmAllBlocksCleared,
     VllmEvent,
@@ -472,9 +473,11 @@ class ZmqSink:
     poison = False
 
     def __init__(self, fleet: list[EngineSpec], bind_host: str, first_port: int) -> None:
-        # pyzmq comes with the bridge; imported by name so type checks pass without it.
-        zmq = importlib.import_module("zmq")
-        self._ctx = importlib.import_module("zmq.asyncio").Context()
+        # pyzmq comes with the demo and bridge extras; imported by name so
+        # type checks pass without it.
+        with needs_extra("demo", "--via-bridge"):
+            zmq = importlib.import_module("zmq")
+            self._ctx = importlib.import_module("zmq.asyncio").Context()
         self.ports: dict[tuple[str, int], int] = {}
         self._sockets: dict[tuple[str, int], Any] = {}
         keys = [(s.instance, s.dp_rank) for s in fleet] + [(DEMO_POOL, 0)]
