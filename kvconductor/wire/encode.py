@@ -10,7 +10,11 @@ positional `[ts, [events], data_parallel_rank]`.
 
     vllm_payload([vllm_stored([h1, h2], None, tokens, "GPU", 16), VllmAllBlocksCleared()])
 
-This module only encodes; `kvconductor.wire.engine` decodes every form.
+The other engines' forms the benchmark's varied fleet sends are here too:
+digest hashes (`vllm_bytes_hashes`), vLLM <= 0.23 tagged arrays
+(`vllm_array_payload`) and SGLang's map form (`sglang_payload`), each from
+the same events. This module only encodes; `kvconductor.wire.engine`
+decodes every form.
 """
 
 from __future__ import annotations
