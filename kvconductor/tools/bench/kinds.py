@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help=f"timed replays, the best kept ({REPEATS})")
     p.add_argument("--kinds", help="comma-separated subset of " + ", ".join(KINDS))
     p.add_argument("--out", type=Path, help="write the result as JSON here")
+    p.add_argument(
+        "--fixtures", type=Path, help="the repository's tests/fixtures (for the hybrid kinds)"
+    )
     return p
 
 
@@ -229,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         sys.stderr.write(f"unknown kinds: {', '.join(unknown)}\n")
         return 2
-    cfg = FieldConfig()
+    cfg = FieldConfig(fixtures=a.fixtures) if a.fixtures else FieldConfig()
+    if not cfg.fixtures.is_dir():
+        # An install without the repository's tests: the fixture kinds cannot run.
+        dropped = [k for k in kinds if k.startswith("hybrid-")]
+        kinds = tuple(k for k in kinds if k not in dropped)
+        if dropped:
+            sys.stderr.write(f"no fixtures at {cfg.fixtures}: {', '.join(dropped)} left out\n")
     n_copies, repeats = COPIES, REPEATS
     if a.quick:
         cfg = replace(cfg, records=40)
