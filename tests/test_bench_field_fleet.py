@@ -77,6 +77,9 @@ def test_every_kind_decodes_and_ingests_whole(fleet: dict[str, list[Record]]) ->
             seen.append((conductor.entries(), dict(conductor.applied), conductor.pending()))
         # The lane and the Python path hold the same (the timing compares like with like).
         assert seen[0] == seen[1], kind
+        tiers = {tier for _, tier in seen[0][1]} - {"group"}  # hybrids' other groups
+        want = {"cpu-offload": {"GPU", "CPU"}, "pool-offload": {"GPU", "intent", "CPU"}}
+        assert tiers == want.get(kind, {"GPU"}), kind
 
 
 def test_device_events_a_record_as_vllm_writes_them(fleet: dict[str, list[Record]]) -> None:
