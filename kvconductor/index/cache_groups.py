@@ -109,17 +109,35 @@ class Prefix:
     end inside a unit, the tokens since the unit's start (`packed`, little
     endian u32; None: not known, e.g. a query by engine hashes)."""
 
-    __slots__ = ("align", "base", "idents", "packed")
+    __slots__ = ("_grids", "_keys", "align", "base", "idents", "packed")
 
     def __init__(self, packed: bytes | None, base: int, align: int, idents: Sequence[int]) -> None:
         self.packed = packed
         self.base = base
         self.align = align
         self.idents = idents
+        # One query asks every hybrid owner about the same ends.
+        self._keys: dict[int, int | None] = {}
+        self._grids: dict[int, list[int | None]] = {}
+
+    def grid(self, step: int, upto: int) -> list[int | None]:
+        """The keys of the blocks ending at `step`, `2 * step`, ... up to
+        token `upto`."""
+        keys = self._grids.get(step)
+        if keys is None or len(keys) < upto // step:
+            keys = self._grids[step] = [self.key(end) for end in range(step, upto + 1, step)]
+        return keys[: upto // step]
 
     def key(self, end: int) -> int | None:
         """The key of the block ending at token `end` (> 0); None past what
         is known."""
+        try:
+            return self._keys[end]
+        except KeyError:
+            key = self._keys[end] = self._key(end)
+            return key
+
+    def _key(self, end: int) -> int | None:
         whole, part = divmod(end, self.align)
         if whole > len(self.idents) or end <= 0:
             return None
@@ -209,24 +227,39 @@ class GroupState:
             end += bs
         return (end - bs) // prefix.align
 
-    def serves(self, point: int, prefix: Prefix) -> bool:
-        """Whether this group can serve a hit ending at token `point` (a
-        positive multiple of `align`; `full_run` caps full-attention kinds)."""
+    def serving(self, prefix: Prefix, limit: int) -> list[bool]:
+        """Whether this group can serve a hit ending at each multiple of the
+        prefix's alignment, `limit` of them from 0 (`full_run` caps
+        full-attention kinds), from one lookup a block: a window needs its
+        tail blocks ending at the point, a chunk its blocks from the chunk's
+        start, a state its block ending exactly there (also a partial state
+        at a finer prefix-match unit)."""
+        align = prefix.align
+        points = range(0, (limit + 1) * align, align)
         kind = self.kind
         if kind in STATE_KINDS:
-            # Also a partial state at a finer prefix-match unit.
-            return self._has(point, prefix)
+            return [p > 0 and self._has(p, prefix) for p in points]
         bs = self.block_size
-        if kind in WINDOW_KINDS and self.window is not None:
-            need = -(-(self.window - 1) // bs)
-            start = max(point - need * bs, 0)
-        elif kind in LOCAL_KINDS and self.window is not None:
-            start = (point - 1) // self.window * self.window
-        else:
-            return True
-        if (point - start) % bs:
-            return False
-        return all(self._has(end, prefix) for end in range(start + bs, point + 1, bs))
+        window = self.window
+        if window is None or not (kind in WINDOW_KINDS or kind in LOCAL_KINDS):
+            return [True] * (limit + 1)
+        # run[j]: held blocks in a row ending at token (j + 1) * bs.
+        run: list[int] = []
+        last = 0
+        held = self.keys
+        for key in prefix.grid(bs, limit * align):
+            last = last + 1 if key in held else 0
+            run.append(last)
+        need = -(-(window - 1) // bs)
+        out = [True]
+        for point in points[1:]:
+            if kind in WINDOW_KINDS:
+                start = max(point - need * bs, 0)
+            else:
+                start = (point - 1) // window * window
+            span = point - start
+            out.append(not span % bs and (point % bs == 0 and run[point // bs - 1] >= span // bs))
+        return out
 
 
 def hybrid_hit(groups: Sequence[GroupState], prefix: Prefix, limit: int) -> int:
@@ -234,15 +267,12 @@ def hybrid_hit(groups: Sequence[GroupState], prefix: Prefix, limit: int) -> int:
     largest multiple of it not above any full-attention group's run at which
     every other group's rule holds (kv_cache_coordinator's fixed point, in
     one pass)."""
-    pointwise = [g for g in groups if g.pointwise()]
     for g in groups:
         if not g.pointwise():
             limit = min(limit, g.full_run(prefix, limit))
-    # Mamba first: one lookup a point, and most points have no state.
-    pointwise.sort(key=lambda g: g.kind not in STATE_KINDS)
+    serving = [g.serving(prefix, limit) for g in groups if g.pointwise()]
     for units in range(limit, 0, -1):
-        point = units * prefix.align
-        if all(g.serves(point, prefix) for g in pointwise):
+        if all(s[units] for s in serving):
             return units
     return 0
 
