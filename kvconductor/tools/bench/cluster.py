@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -103,15 +103,54 @@ class Instance:
 
 
 class PoolBackend:
-    __slots__ = ("blocks", "event_id", "name")
+    """A Mooncake-like store: an LRU of `capacity` blocks that confirms what
+    it stores and evicts on the pool topic (RFC #1527)."""
 
-    def __init__(self, name: str) -> None:
+    __slots__ = ("block_size", "blocks", "capacity", "event_id", "headers", "model", "name")
+
+    def __init__(self, name: str, model: str, block_size: int, capacity: int) -> None:
         self.name = name
+        self.model = model
+        self.block_size = block_size
+        self.capacity = capacity
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.event_id = 0
+        self.headers = [(KV_MODEL, model.encode()), (KV_BLOCK_SIZE, str(block_size).encode())]
+
+    def confirm(self, seqs: list[int], ts: float) -> Record:
+        """The backend stores an offload and says so (RFC #1527)."""
+        _, evicted = lru_admit(self.blocks, seqs, self.capacity)
+        events: list[dict[str, object]] = []
+        if evicted:
+            self.event_id += 1
+            events.append(self._event("removed", evicted, ts))
+        self.event_id += 1
+        events.append(self._event("stored", seqs, ts))
+        payload = _mp([ts, events, 0])
+        blocks = len(seqs) + len(evicted)
+        return Record(True, self.name.encode(), self.headers, payload, ts, blocks, len(events))
+
+    def _event(self, kind: str, seqs: list[int], ts: float) -> dict[str, object]:
+        return {
+            "event_id": self.event_id,
+            "timestamp": ts,
+            "event_type": kind,
+            "model_name": self.model,
+            "block_size": self.block_size,
+            "additional_salt": None,
+            "lora_name": None,
+            "tenant_id": None,
+            "backend_id": self.name,
+            "medium": "cpu",
+            "dp_rank": 0,
+            "seq_hashes": seqs,
+            "base_block_idx": None,
+            "parent_hash": None,
+            "token_ids": None,
+        }
 
 
-def _lru_admit(
+def lru_admit(
     lru: OrderedDict[int, None], seqs: list[int], capacity: int
 ) -> tuple[list[int], list[int]]:
     """Admit a request's blocks (head first) into an LRU set.
@@ -145,10 +184,13 @@ def engine_record(
     events: Sequence[VllmEvent],
     ts: float,
     blocks: int,
+    rank: int | None = 0,
+    encode: Callable[[Sequence[VllmEvent], int | None, float], bytes] = vllm_payload,
 ) -> Record:
-    """One engine-topic record: the instance's headers and its `kv-seq`."""
+    """One engine-topic record: the instance's headers and its `kv-seq`;
+    `rank` the payload's DP rank, `encode` the engine's wire form."""
     headers = [*headers, (KV_SEQ, str(seq).encode())]
-    return Record(False, key, headers, vllm_payload(events, 0, ts), ts, blocks, len(events))
+    return Record(False, key, headers, encode(events, rank, ts), ts, blocks, len(events))
 
 
 def dynamo_stored(event_id: int, parent: int | None, blocks: Iterable[tuple[int, int]]) -> bytes:
@@ -199,10 +241,9 @@ class Cluster:
         self.instances = [
             Instance(i, model, block_size, i < pool_instances) for i in range(instances)
         ]
-        self.backends = [PoolBackend(f"mooncake-{b}") for b in range(max(pool_backends, 1))]
-        self.pool_headers = [
-            (KV_MODEL, model.encode()),
-            (KV_BLOCK_SIZE, str(block_size).encode()),
+        self.backends = [
+            PoolBackend(f"mooncake-{b}", model, block_size, pool_blocks)
+            for b in range(max(pool_backends, 1))
         ]
         self.streams = Streams()
         self.clock = 1_700_000_000.0
@@ -232,7 +273,7 @@ class Cluster:
         self.clock += 0.001
         ts = self.clock
         seqs = [b[0] for b in blocks]
-        added, evicted = _lru_admit(inst.gpu, seqs, self.gpu_blocks)
+        added, evicted = lru_admit(inst.gpu, seqs, self.gpu_blocks)
         self.evicted_gpu += len(evicted)
         events: list[VllmEvent] = []
         device: list[VllmEvent] = []
@@ -276,14 +317,14 @@ class Cluster:
                 nblocks += len(offload)
         else:
             offload = []
-            host_added, host_evicted = _lru_admit(inst.host, seqs, self.host_blocks)
+            host_added, host_evicted = lru_admit(inst.host, seqs, self.host_blocks)
             if host_evicted:
                 events.append(vllm_removed(host_evicted, "CPU"))
                 nblocks += len(host_evicted)
             if host_added:
                 events.append(vllm_stored(host_added, None, [], "CPU", bs))
                 nblocks += len(host_added)
-        pool_record = self._confirm(backend, offload, ts) if offload else None
+        pool_record = backend.confirm(offload, ts) if offload else None
         if pool_record is not None and self.rng.random() < self.confirm_first:
             self.streams.records.append(pool_record)
             pool_record = None
@@ -318,42 +359,6 @@ class Cluster:
                 )
             )
         self.streams.mark()
-
-    def _confirm(self, backend: PoolBackend, seqs: list[int], ts: float) -> Record:
-        """The pool backend stores an offload and says so (RFC #1527)."""
-        _, evicted = _lru_admit(backend.blocks, seqs, self.pool_blocks)
-        events: list[dict[str, object]] = []
-        if evicted:
-            backend.event_id += 1
-            events.append(self._pool_event(backend, "removed", evicted, ts))
-        backend.event_id += 1
-        events.append(self._pool_event(backend, "stored", seqs, ts))
-        payload = _mp([ts, events, 0])
-        blocks = len(seqs) + len(evicted)
-        return Record(
-            True, backend.name.encode(), self.pool_headers, payload, ts, blocks, len(events)
-        )
-
-    def _pool_event(
-        self, backend: PoolBackend, kind: str, seqs: list[int], ts: float
-    ) -> dict[str, object]:
-        return {
-            "event_id": backend.event_id,
-            "timestamp": ts,
-            "event_type": kind,
-            "model_name": self.model,
-            "block_size": self.bs,
-            "additional_salt": None,
-            "lora_name": None,
-            "tenant_id": None,
-            "backend_id": backend.name,
-            "medium": "cpu",
-            "dp_rank": 0,
-            "seq_hashes": seqs,
-            "base_block_idx": None,
-            "parent_hash": None,
-            "token_ids": None,
-        }
 
     def _dynamo_stored(self, parent: int | None, run: list[Block]) -> bytes:
         self.dynamo_event_id += 1

@@ -184,6 +184,8 @@ def cli(args: argparse.Namespace) -> int:
     rest: list[str] = args.rest
     if rest[:1] == ["scale"]:  # one namespace by owners and entries (scale.py)
         return int(importlib.import_module("kvconductor.tools.bench.scale").main(rest[1:]))
+    if rest[:1] == ["kinds"]:  # ingest by kind of traffic (kinds.py)
+        return int(importlib.import_module("kvconductor.tools.bench.kinds").main(rest[1:]))
     return main(rest)
 
 

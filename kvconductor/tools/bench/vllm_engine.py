@@ -40,20 +40,23 @@ import random
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
+import xxhash
 
 from kvconductor.tools.bench.cluster import (
     Block,
     NaiveOp,
+    PoolBackend,
     Record,
     Streams,
     dynamo_removed,
     dynamo_stored,
     engine_record,
+    lru_admit,
 )
 from kvconductor.tools.bench.workload import (
     BlockChain,
@@ -64,8 +67,35 @@ from kvconductor.tools.bench.workload import (
     random_tokens,
     zipf,
 )
-from kvconductor.wire.encode import VllmEvent, vllm_removed, vllm_stored
-from kvconductor.wire.records import KV_BLOCK_SIZE, KV_MODEL, KV_REPORT_MODE, KV_SOURCE
+from kvconductor.wire.encode import (
+    VllmBlockRemoved,
+    VllmEvent,
+    digest_hash,
+    sglang_payload,
+    vllm_array_payload,
+    vllm_bytes_hashes,
+    vllm_offloaded,
+    vllm_payload,
+    vllm_removed,
+    vllm_stored,
+)
+from kvconductor.wire.records import (
+    KV_BLOCK_SIZE,
+    KV_DP_RANK,
+    KV_MODEL,
+    KV_OFFLOAD,
+    KV_REPORT_MODE,
+    KV_SOURCE,
+)
+
+# The engines' wire forms (`FleetConfig.wire`); digest hashes are the map
+# form's with the hashes replaced.
+_ENCODERS: dict[str, Callable[[Sequence[VllmEvent], int | None, float], bytes]] = {
+    "vllm": vllm_payload,
+    "vllm-bytes": vllm_payload,
+    "vllm-array": vllm_array_payload,
+    "sglang": sglang_payload,
+}
 
 # One engine step, in seconds of the simulated clock (the fixture's).
 STEP_S = 0.025
@@ -81,6 +111,10 @@ class EngineConfig:
     max_batched_tokens: int = 512  # chunked prefill's token budget per step
     block_size: int = 16
     report_full_share: float = 0.0  # requests with kv_cache_report_mode "full"
+    # vLLM's offloading connector (`kv-offload`): None, "local" (its own CPU
+    # tier of `host_blocks`) or "pool" (offloads into the fleet's pool).
+    offload: str | None = None
+    host_blocks: int = 0
 
 
 class Request:
@@ -90,6 +124,7 @@ class Request:
         "computed",
         "held",
         "hit",
+        "lora",
         "output",
         "prompt",
         "report_full",
@@ -105,8 +140,10 @@ class Request:
         prompt: int,
         output: int,
         report_full: bool = False,
+        lora: tuple[int, str] | None = None,
     ) -> None:
         self.session = session
+        self.lora = lora  # (adapter id, name)
         self.tokens: Tokens = chain.tokens  # the prompt and the whole answer
         self.blocks: list[Block] = chain.blocks
         self.prompt = prompt
@@ -125,11 +162,12 @@ class Request:
 
 
 class _Session:
-    __slots__ = ("chain", "turns")
+    __slots__ = ("chain", "lora", "turns")
 
-    def __init__(self, chain: BlockChain, turns: int) -> None:
+    def __init__(self, chain: BlockChain, turns: int, lora: tuple[int, str] | None = None) -> None:
         self.chain = chain
         self.turns = turns  # left, this one included
+        self.lora = lora
 
 
 class BlockPool:
@@ -230,6 +268,10 @@ class Engine:
         # removed hashes for the peers that take another format.
         self.events: list[VllmEvent] = []
         self.ops: list[tuple[int | None, list[Block]] | int] = []
+        # The hashes the step cached, for an offloading connector to save,
+        # and that connector's own CPU tier (`offload: local`).
+        self.saved: list[int] = []
+        self.host: OrderedDict[int, None] = OrderedDict()
 
     def add(self, req: Request) -> bool:
         """Queue a request; False when it could never fit in the pool (vLLM
@@ -253,8 +295,10 @@ class Engine:
         bs = self.cfg.block_size
         parent = req.blocks[start - 1][0] if start else None
         toks = req.tokens[start * bs : end * bs].tolist()
-        self.events.append(vllm_stored([b[0] for b in run], parent, toks, "GPU", bs))
+        hashes = [b[0] for b in run]
+        self.events.append(vllm_stored(hashes, parent, toks, "GPU", bs, req.lora))
         self.ops.append((parent, run))
+        self.saved += hashes
 
     # ---------------------------------------------------------- the step
 
@@ -291,6 +335,7 @@ class Engine:
         """One scheduler step; its events (maybe none)."""
         self.events = []
         self.ops = []
+        self.saved = []
         cfg = self.cfg
         pool = self.pool
         budget = cfg.max_batched_tokens
@@ -323,7 +368,19 @@ class Engine:
             budget -= todo
             scheduled.append(req)
         self._sample(scheduled)
+        if cfg.offload == "local" and self.saved:
+            self._offload_locally()
         return self.events
+
+    def _offload_locally(self) -> None:
+        """vLLM's offloading connector saves what the step cached into its
+        CPU tier (LRU) and says so by hash only; what that evicts, it
+        removes."""
+        added, evicted = lru_admit(self.host, self.saved, self.cfg.host_blocks)
+        if evicted:
+            self.events.append(VllmBlockRemoved(evicted, "CPU"))
+        if added:
+            self.events.append(vllm_offloaded(added))
 
     def _admit(self, req: Request, budget: int) -> int:
         """Prefix lookup and allocation of a waiting request: the tokens
@@ -379,6 +436,23 @@ class FleetConfig:
     output_tokens: tuple[int, int] = (32, 768)
     max_context_tokens: int = 14_000
     vocab: int = 65_536
+    # Data-parallel ranks of each instance (one engine each, under the
+    # instance's key), the rank in the payload (vLLM >= 0.10) or, with
+    # `rank_in_header`, in `kv-dp-rank` and the payload's rank nil.
+    dp_ranks: int = 1
+    rank_in_header: bool = False
+    # Sessions on a LoRA adapter (one of `loras`), their blocks hashed apart.
+    lora_share: float = 0.0
+    loras: int = 4
+    # The engines' wire form: "vllm" (0.33, int hashes), "vllm-bytes"
+    # (digest hashes), "vllm-array" (<= 0.23 tagged arrays), "sglang".
+    wire: str = "vllm"
+    # `offload: pool`: one backend of `pool_blocks` per `pool_share`
+    # instances; a `confirm_first` share of its confirmations come before
+    # the engine's intent.
+    pool_blocks: int = 65_536
+    pool_share: int = 4
+    confirm_first: float = 0.1
 
     @classmethod
     def for_entries(cls, target: int, **overrides: Any) -> FleetConfig:
@@ -428,7 +502,8 @@ class VllmFleet:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         rng = self.rng
-        self.engines = [Engine(cfg.engine) for _ in range(cfg.instances)]
+        engines = cfg.instances * cfg.dp_ranks
+        self.engines = [Engine(cfg.engine) for _ in range(engines)]
         lo, hi = cfg.system_tokens
         self.systems = [
             random_tokens(rng, rng.randint(lo, hi), cfg.vocab) for _ in range(cfg.system_prompts)
@@ -437,18 +512,36 @@ class VllmFleet:
         self.documents = [
             random_tokens(rng, rng.randint(lo, hi), cfg.vocab) for _ in range(cfg.documents)
         ]
-        self.prefixes: dict[tuple[int, int], BlockChain] = {}
-        self.keys = [f"vllm-{i}".encode() for i in range(cfg.instances)]
+        self.prefixes: dict[tuple[int, int, int], BlockChain] = {}
+        ranks = cfg.dp_ranks
+        self.keys = [f"vllm-{i // ranks}".encode() for i in range(engines)]
         self.headers = [
             (KV_MODEL, cfg.model.encode()),
             (KV_BLOCK_SIZE, str(cfg.engine.block_size).encode()),
-            (KV_SOURCE, b"vllm"),
+            (KV_SOURCE, b"sglang" if cfg.wire == "sglang" else b"vllm"),
         ]
         if cfg.engine.report_full_share:
             # Its requests re-announce what they reuse: declared, as the
             # bridge declares it from the registration.
             self.headers.append((KV_REPORT_MODE, b"full"))
-        self.seqs = [0] * cfg.instances
+        if cfg.engine.offload:
+            self.headers.append((KV_OFFLOAD, cfg.engine.offload.encode()))
+        self.engine_headers = [
+            [*self.headers, (KV_DP_RANK, str(i % ranks).encode())]
+            if cfg.rank_in_header
+            else self.headers
+            for i in range(engines)
+        ]
+        self.ranks: list[int | None] = [
+            None if cfg.rank_in_header else i % ranks for i in range(engines)
+        ]
+        self.encode = _ENCODERS[cfg.wire]
+        self.digests: dict[int, bytes] = {}  # of `wire: vllm-bytes`, cached
+        self.backends = [
+            PoolBackend(f"mooncake-{b}", cfg.model, cfg.engine.block_size, cfg.pool_blocks)
+            for b in range(-(-engines // cfg.pool_share))
+        ]
+        self.seqs = [0] * engines
         self.streams = Streams()
         self.steps = 0
         self.requests = 0
@@ -457,7 +550,7 @@ class VllmFleet:
         # (step due, order, instance, session) of the turns to come.
         self.due: list[tuple[int, int, int, _Session]] = []
         self._order = 0
-        for i in range(cfg.instances):
+        for i in range(engines):
             for _ in range(cfg.sessions_per_instance):
                 self._schedule(i, self._new_session(), rng.randint(*cfg.think_steps))
 
@@ -469,14 +562,20 @@ class VllmFleet:
         doc_id = -1
         if self.documents and rng.random() < cfg.document_share:
             doc_id = zipf(rng, cfg.documents)
-        prefix = self.prefixes.get((sys_id, doc_id))
+        adapter = -1
+        lora = None
+        if cfg.lora_share and rng.random() < cfg.lora_share:
+            adapter = rng.randrange(cfg.loras)
+            lora = (adapter + 1, f"adapter-{adapter}")
+        prefix = self.prefixes.get((sys_id, doc_id, adapter))
         if prefix is None:
-            prefix = BlockChain(cfg.engine.block_size)
+            salt = xxhash.xxh3_64_intdigest(lora[1].encode()) if lora else 0
+            prefix = BlockChain(cfg.engine.block_size, salt=salt)
             prefix.extend(self.systems[sys_id])
             if doc_id >= 0:
                 prefix.extend(self.documents[doc_id])
-            self.prefixes[(sys_id, doc_id)] = prefix
-        return _Session(prefix.copy(), rng.randint(*cfg.turns))
+            self.prefixes[(sys_id, doc_id, adapter)] = prefix
+        return _Session(prefix.copy(), rng.randint(*cfg.turns), lora)
 
     def _schedule(self, instance: int, session: _Session, delay: int) -> None:
         self._order += 1
@@ -491,7 +590,8 @@ class VllmFleet:
         chain.extend(random_tokens(rng, output, cfg.vocab))
         report_full = rng.random() < cfg.engine.report_full_share
         self.requests += 1
-        if not self.engines[instance].add(Request(session, chain, prompt, output, report_full)):
+        req = Request(session, chain, prompt, output, report_full, session.lora)
+        if not self.engines[instance].add(req):
             self._schedule(instance, self._new_session(), rng.randint(*cfg.think_steps))
 
     def _turn_done(self, instance: int, req: Request) -> None:
@@ -499,7 +599,9 @@ class VllmFleet:
         session = req.session
         assert session is not None
         # The next prompt holds the answer: the request's chain goes on.
-        session.chain = BlockChain(cfg.engine.block_size, req.tokens, req.blocks)
+        session.chain = BlockChain(
+            cfg.engine.block_size, req.tokens, req.blocks, session.chain.salt
+        )
         session.turns -= 1
         if session.turns <= 0 or len(req.tokens) > cfg.max_context_tokens:
             self.recent.append(session.chain)
@@ -553,14 +655,52 @@ class VllmFleet:
                 pairs = [(b[0], b[1]) for b in run]
                 dyn.append((i, dynamo_stored(self.dynamo_event_id, parent, pairs), len(run)))
                 blocks += len(run)
-        rec = engine_record(self.keys[i], self.headers, self.seqs[i], events, ts, blocks)
+        device_events = len(events)
+        pool_record = None
+        if self.cfg.engine.offload == "pool" and engine.saved:
+            offloaded = self._to_pool(i, engine.saved)
+            if offloaded:
+                events = [*events, vllm_offloaded(offloaded)]
+                blocks += len(offloaded)
+                pool_record = self.backends[i // self.cfg.pool_share].confirm(offloaded, ts)
+        if self.cfg.wire == "vllm-bytes":
+            events = [vllm_bytes_hashes(e, self._digest) for e in events]
+        rec = engine_record(
+            self.keys[i],
+            self.engine_headers[i],
+            self.seqs[i],
+            events,
+            ts,
+            blocks,
+            self.ranks[i],
+            self.encode,
+        )
         streams = self.streams
+        if pool_record is not None and self.rng.random() < self.cfg.confirm_first:
+            streams.records.append(pool_record)
+            pool_record = None
         streams.records.append(rec)
-        streams.device_records.append(rec)
+        if pool_record is not None:
+            streams.records.append(pool_record)
+        if len(events) == device_events:  # the device tier alone
+            streams.device_records.append(rec)
         streams.naive.append(
             NaiveOp(i, array("Q", removed), array("Q", stored_seqs), array("Q", stored_idents))
         )
         streams.mark()
+
+    def _to_pool(self, i: int, saved: list[int]) -> list[int]:
+        """What the connector offloads of what the step cached: the blocks
+        its backend does not hold (the engine says so, hash only, and the
+        backend confirms them on the pool topic)."""
+        held = self.backends[i // self.cfg.pool_share].blocks
+        return [h for h in saved if h not in held]
+
+    def _digest(self, h: int) -> bytes:
+        d = self.digests.get(h)
+        if d is None:
+            d = self.digests[h] = digest_hash(h)
+        return d
 
     def entries(self) -> int:
         """Live (block, owner) entries: cached blocks, copies counted once."""

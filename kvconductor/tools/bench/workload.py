@@ -114,12 +114,21 @@ def random_tokens(rng: random.Random, n: int, vocab: int) -> Tokens:
 class BlockChain:
     """Tokens and the per-block hashes of a growing prompt."""
 
-    __slots__ = ("blocks", "bs", "tokens")
+    __slots__ = ("blocks", "bs", "salt", "tokens")
 
-    def __init__(self, bs: int, tokens: Tokens | None = None, blocks: list[Block] | None = None):
+    def __init__(
+        self,
+        bs: int,
+        tokens: Tokens | None = None,
+        blocks: list[Block] | None = None,
+        salt: int = 0,
+    ):
         self.bs = bs
         self.tokens: Tokens = array("I", tokens if tokens is not None else ())
         self.blocks: list[Block] = list(blocks) if blocks is not None else []
+        # Mixed into the engine hashes: the same tokens under a LoRA adapter
+        # are other blocks to the engine (its extra keys enter the hash).
+        self.salt = salt
 
     def extend(self, more: Tokens) -> None:
         self.tokens.extend(more)
@@ -127,14 +136,15 @@ class BlockChain:
         blocks = self.blocks
         seq, ident = (blocks[-1][0], blocks[-1][2]) if blocks else (ENGINE_ROOT, BASE_SEED)
         toks = self.tokens
+        salt = ENGINE_SALT ^ self.salt
         for start in range(len(blocks) * bs, len(toks) - bs + 1, bs):
             data = toks[start : start + bs].tobytes()
-            seq = _xxh3(data, seq ^ ENGINE_SALT)
+            seq = _xxh3(data, seq ^ salt)
             ident = _xxh3(data, ident)
             blocks.append((seq, _xxh3(data, BASE_SEED), ident))
 
     def copy(self) -> BlockChain:
-        return BlockChain(self.bs, self.tokens, self.blocks)
+        return BlockChain(self.bs, self.tokens, self.blocks, self.salt)
 
 
 class _Session:
