@@ -25,10 +25,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::count_map::CountMap;
-use crate::seq_set::SeqSet;
 use crate::shape::AnswerShape;
-use crate::sharded::{ShardedMap, Vacant};
+use kvconductor_core::maps::{CountMap, SeqSet};
+use kvconductor_core::maps::{ShardedMap, Vacant};
 
 const DEVICE: usize = 0;
 const HOST: usize = 1;
@@ -330,13 +329,7 @@ type Placed = (usize, usize, usize, Vec<u64>);
 
 /// `PyBlockStore._place_*`: with `idents` every block's content is given;
 /// without, unknown blocks are left to wait and known ones placed.
-fn place(
-    cat: &mut Catalog,
-    h: &mut impl Holder,
-    seqs: &[u64],
-    idents: Option<&[u64]>,
-    room: i64,
-) -> PyResult<Placed> {
+fn place(cat: &mut Catalog, h: &mut impl Holder, seqs: &[u64], idents: Option<&[u64]>, room: i64) -> PyResult<Placed> {
     let (mut placed, mut dropped, mut conflicts) = (0usize, 0usize, 0usize);
     let mut waits = Vec::new();
     for (k, &seq) in seqs.iter().enumerate() {
@@ -401,19 +394,10 @@ fn clear(cat: &mut Catalog, h: &mut impl Holder) -> PyResult<usize> {
 }
 
 /// A bulk load: placing block by block into an empty holder, unbounded.
-fn load(
-    cat: &mut Catalog,
-    h: &mut impl Holder,
-    empty: bool,
-    seqs: &[u8],
-    idents: &[u8],
-    what: &str,
-) -> PyResult<()> {
+fn load(cat: &mut Catalog, h: &mut impl Holder, empty: bool, seqs: &[u8], idents: &[u8], what: &str) -> PyResult<()> {
     let (s, i) = (unpack(seqs)?, unpack(idents)?);
     if s.len() != i.len() {
-        return Err(PyValueError::new_err(format!(
-            "a {what}'s hashes and identities differ in count"
-        )));
+        return Err(PyValueError::new_err(format!("a {what}'s hashes and identities differ in count")));
     }
     if !empty {
         return Err(PyAssertionError::new_err(format!("load is for an empty {what}")));
@@ -472,9 +456,7 @@ fn list_u64s(list: &Bound<'_, PyList>) -> Option<Vec<u64>> {
 /// A capacity left, as i64 (any Python int: beyond i64 it saturates).
 fn room_of(room: &Bound<'_, PyAny>) -> PyResult<i64> {
     match room.extract::<i64>() {
-        Err(e) if e.is_instance_of::<PyOverflowError>(room.py()) => {
-            Ok(if room.gt(0)? { i64::MAX } else { i64::MIN })
-        }
+        Err(e) if e.is_instance_of::<PyOverflowError>(room.py()) => Ok(if room.gt(0)? { i64::MAX } else { i64::MIN }),
         other => other,
     }
 }
@@ -598,7 +580,10 @@ fn prefetch(m: Option<&CountMap>, id: u64) {
 }
 
 /// The JSON answer of a walk's lengths (`AnswerShape::json_of`).
-fn answer_json<'py>(shape: &Bound<'py, AnswerShape>, found: Vec<(usize, u32, u32, u32)>) -> PyResult<Bound<'py, PyBytes>> {
+fn answer_json<'py>(
+    shape: &Bound<'py, AnswerShape>,
+    found: Vec<(usize, u32, u32, u32)>,
+) -> PyResult<Bound<'py, PyBytes>> {
     let listed = found.into_iter().map(|(s, g, c, d)| (s, (u64::from(g), u64::from(c), u64::from(d)))).collect();
     shape.borrow_mut().json_of(shape.py(), listed)
 }
@@ -709,11 +694,7 @@ impl Store {
     ) -> PyResult<(&'s mut Catalog, PoolBlocks<'s, 'py>)> {
         let pool = self.pools.get_mut(&pid).ok_or_else(|| no_pool(pid))?;
         self.frozen.keep_pool(pid, &pool.blocks);
-        let h = PoolBlocks {
-            set: &mut pool.blocks,
-            counts: &mut self.pool_counts[pool.tier],
-            placed_out,
-        };
+        let h = PoolBlocks { set: &mut pool.blocks, counts: &mut self.pool_counts[pool.tier], placed_out };
         Ok((&mut self.cat, h))
     }
 
@@ -721,11 +702,7 @@ impl Store {
         pack(py, held.iter().copied())
     }
 
-    fn export<'py>(
-        &self,
-        py: Python<'py>,
-        held: &SeqSet,
-    ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+    fn export<'py>(&self, py: Python<'py>, held: &SeqSet) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
         let idents = pack(py, held.iter().map(|&s| self.cat.held_ident(s)));
         (Self::export_seqs(py, held), idents)
     }
@@ -733,11 +710,7 @@ impl Store {
     /// The walk of `PyBlockStore._match`: the listed 64-slot words walk the
     /// prompt together, a chunk of blocks at a time, so that every word's
     /// probes of a chunk are in flight at once (see `GATHER`).
-    fn matched(
-        &self,
-        prompt: &mut Prompt<'_, '_>,
-        listed: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<(usize, u32, u32, u32)>> {
+    fn matched(&self, prompt: &mut Prompt<'_, '_>, listed: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u32, u32, u32)>> {
         let pool_host = Some(&self.pool_counts[HOST]).filter(|m| !m.is_empty());
         let pool_disk = Some(&self.pool_counts[DISK]).filter(|m| !m.is_empty());
         let mut words: Vec<Word<'_>> = int_words(listed)?
@@ -1081,10 +1054,7 @@ impl BlockStore {
         this.cat.version
     }
 
-    fn export_retired<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+    fn export_retired<'py>(&self, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
         let this = self.lock();
         let items: Vec<(u64, u64, f64)> = this.cat.retired().collect();
         // An f64's little-endian bytes are its bit pattern's.
@@ -1261,12 +1231,7 @@ impl BlockStore {
         place(cat, &mut h, &seqs, idents.as_deref(), room)
     }
 
-    fn remove_owner(
-        &self,
-        slot: usize,
-        tier: usize,
-        seqs: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<u64>> {
+    fn remove_owner(&self, slot: usize, tier: usize, seqs: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         let mut this = self.lock();
         let seqs = u64s(seqs)?;
         let (cat, mut h) = this.owner_tier(slot, tier)?;
@@ -1354,11 +1319,7 @@ impl BlockStore {
         clear(cat, &mut h)
     }
 
-    fn export_pool<'py>(
-        &self,
-        py: Python<'py>,
-        pid: i64,
-    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    fn export_pool<'py>(&self, py: Python<'py>, pid: i64) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let this = self.lock();
         Ok(this.export(py, &this.pool(pid)?.blocks))
     }

@@ -226,7 +226,12 @@ impl AnswerShape {
     /// had (none: the instance goes). A change of owners costs this and,
     /// at the next answer, a pass over the owners' slots in Rust, where
     /// making the whole shape again in Python cost ~40 ms at 10,000 owners.
-    fn set_instance(&mut self, name: Bound<'_, PyString>, name_json: Vec<u8>, ranks: Vec<(i64, usize)>) -> PyResult<()> {
+    fn set_instance(
+        &mut self,
+        name: Bound<'_, PyString>,
+        name_json: Vec<u8>,
+        ranks: Vec<(i64, usize)>,
+    ) -> PyResult<()> {
         let py = name.py();
         let order: Vec<u8> = name.call_method1("encode", ("utf-32-be", "surrogatepass"))?.extract()?;
         for &(rank, _) in &ranks {
@@ -311,14 +316,24 @@ impl AnswerShape {
     /// `shape_json`'s answer for lengths a walk left in Rust (no tuple an
     /// owner: at 10,000 owners making and reading them was most of an
     /// answer that lists them all).
-    pub(crate) fn json_of<'py>(&mut self, py: Python<'py>, listed: Vec<(usize, Lengths)>) -> PyResult<Bound<'py, PyBytes>> {
+    pub(crate) fn json_of<'py>(
+        &mut self,
+        py: Python<'py>,
+        listed: Vec<(usize, Lengths)>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.lay_out();
         let rows = listed.len().min(self.instances.len());
         self.with_listed(listed, |this, by_slot, visit| this.write_json(py, rows, by_slot, visit))
     }
 
     /// The JSON answer of `rows` rows at most (a capacity hint).
-    fn write_json<'py>(&self, py: Python<'py>, rows: usize, by_slot: &BySlot<'_>, visit: Option<&[u32]>) -> PyResult<Bound<'py, PyBytes>> {
+    fn write_json<'py>(
+        &self,
+        py: Python<'py>,
+        rows: usize,
+        by_slot: &BySlot<'_>,
+        visit: Option<&[u32]>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         // `{tenant:{` then the rows; with no row, the answer is `{}`.
         let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
         out.push(b'{');

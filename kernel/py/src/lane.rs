@@ -42,8 +42,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::engine_wire::{self, Event, Extra, Stored};
 use crate::store::{BlockStore, LaneOwner, Store};
+use kvconductor_core::ingest::engine_wire::{self, Event, Extra, Stored};
 
 const DEVICE: usize = 0;
 const TIERS: usize = 3;
@@ -104,8 +104,7 @@ const REMOVAL_UNKNOWN: usize = 1;
 const SEQ_GAPS: usize = 2;
 const SEQ_MISSING: usize = 3;
 const SEQ_REGRESSIONS: usize = 4;
-const COUNTER_NAMES: [&str; 5] =
-    ["hash_conflicts", "removal_unknown", "seq_gaps", "seq_missing", "seq_regressions"];
+const COUNTER_NAMES: [&str; 5] = ["hash_conflicts", "removal_unknown", "seq_gaps", "seq_missing", "seq_regressions"];
 
 /// One record, as read from its `core.Incoming`.
 struct Rec<'a> {
@@ -117,7 +116,8 @@ struct Rec<'a> {
 
 type CtxOut = (usize, [u64; TIERS], u8, f64);
 type InstOut = (Py<PyString>, f64, Vec<(u32, u64)>);
-type RunOut = (usize, u8, Option<u64>, f64, Vec<(&'static str, u64)>, Vec<(usize, usize, u64)>, Vec<CtxOut>, Vec<InstOut>);
+type RunOut =
+    (usize, u8, Option<u64>, f64, Vec<(&'static str, u64)>, Vec<(usize, usize, u64)>, Vec<CtxOut>, Vec<InstOut>);
 
 #[pyclass(module = "kvconductor._kernel")]
 pub struct EngineLane {
@@ -204,8 +204,7 @@ fn read_record<'a>(item: &'a Bound<'_, PyAny>, sig: &mut Vec<u8>) -> PyResult<Op
     // SAFETY: bytes objects are immutable and the tuple keeps them alive
     // for as long as `item` is borrowed.
     let key: &'a [u8] = unsafe { std::slice::from_raw_parts(key.as_bytes().as_ptr(), key.as_bytes().len()) };
-    let payload: &'a [u8] =
-        unsafe { std::slice::from_raw_parts(value.as_bytes().as_ptr(), value.as_bytes().len()) };
+    let payload: &'a [u8] = unsafe { std::slice::from_raw_parts(value.as_bytes().as_ptr(), value.as_bytes().len()) };
     if std::str::from_utf8(key).is_err() {
         return Ok(None);
     }
@@ -447,7 +446,11 @@ fn waits<'a, 'py>(
             return Ok(None);
         }
     }
-    Ok(Some(Some(Waits { waiting: ctx.waiting.bind(py), children: ctx.children.bind(py), unresolved: ctx.unresolved.bind(py) })))
+    Ok(Some(Some(Waits {
+        waiting: ctx.waiting.bind(py),
+        children: ctx.children.bind(py),
+        unresolved: ctx.unresolved.bind(py),
+    })))
 }
 
 impl Work {
@@ -581,7 +584,14 @@ impl EngineLane {
     /// Decodes and applies record `i` (`rec`, its signature so far in
     /// `sig`) whole, or says who must. `py`: None with the GIL released,
     /// when whatever needs it is left to `run` (`Step::Gil`).
-    fn step(&mut self, py: Option<Python<'_>>, i: usize, rec: &Rec<'_>, sig: &mut Vec<u8>, now: &mut f64) -> PyResult<Step> {
+    fn step(
+        &mut self,
+        py: Option<Python<'_>>,
+        i: usize,
+        rec: &Rec<'_>,
+        sig: &mut Vec<u8>,
+        now: &mut f64,
+    ) -> PyResult<Step> {
         let Some(batch) = engine_wire::decode_with(rec.payload, &mut self.spare) else { return Ok(Step::Python) };
         match batch.dp_rank {
             Some(r) => {
@@ -734,7 +744,14 @@ impl EngineLane {
     /// store's clock), per instance touched (name, last event time, (rank,
     /// last kv-seq) changed)).
     #[pyo3(signature = (records, start, now, end=None))]
-    fn run(&mut self, py: Python<'_>, records: &Bound<'_, PyList>, start: usize, now: f64, end: Option<usize>) -> PyResult<RunOut> {
+    fn run(
+        &mut self,
+        py: Python<'_>,
+        records: &Bound<'_, PyList>,
+        start: usize,
+        now: f64,
+        end: Option<usize>,
+    ) -> PyResult<RunOut> {
         let mut now = now;
         let mut sig = std::mem::take(&mut self.sig);
         let end = end.map_or(records.len(), |e| e.min(records.len()));

@@ -1,0 +1,14 @@
+//! kvconductor's compiled kernel without Python: the parts of the kernel
+//! that need no interpreter, each a folder with a README of its
+//! trade-offs. `kernel/py` is the only crate that speaks PyO3; it wraps
+//! these in the `kvconductor._kernel` module.
+//!
+//! - `maps`: the u64-keyed tables the store is made of.
+//! - `kafka`: record batches and fetch responses read in place, CRC-32C.
+//! - `ingest`: the engine payloads real engines send, decoded.
+//! - `query`: a `/query` body's fields and prompt.
+
+pub mod ingest;
+pub mod kafka;
+pub mod maps;
+pub mod query;
