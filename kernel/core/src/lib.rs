@@ -7,8 +7,11 @@
 //! - `kafka`: record batches and fetch responses read in place, CRC-32C.
 //! - `ingest`: the engine payloads real engines send, decoded.
 //! - `query`: a `/query` body's fields and prompt.
+//! - `store`: a namespace's blocks (`BlockStore`'s logic), the query's walk
+//!   and the engine lane's view of one owner.
 
 pub mod ingest;
 pub mod kafka;
 pub mod maps;
 pub mod query;
+pub mod store;

@@ -15,7 +15,7 @@
 //! A record applies whole or not at all: its events change the owner's
 //! tier sets as they are checked, one probe a hash, and are undone there at
 //! the first event the lane cannot apply; only a record that got through
-//! goes on to the catalog and masks (`store::LaneOwner`). A record the lane
+//! goes on to the catalog and masks (`kvconductor_core::store::LaneOwner`). A record the lane
 //! stops at is left untouched and the caller applies it the Python way.
 //!
 //! A context holds what the Python path would look up for each record of
@@ -42,8 +42,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::store::{BlockStore, LaneOwner, Store};
+use crate::store::{store_err, BlockStore};
 use kvconductor_core::ingest::engine_wire::{self, Event, Extra, Stored};
+use kvconductor_core::store::{LaneOwner, Store};
 
 const DEVICE: usize = 0;
 const TIERS: usize = 3;
@@ -543,7 +544,7 @@ impl Work {
                         owner.prefetch_mask(tier, idents[ch.at as usize]);
                     }
                     for ch in made {
-                        let conflict = owner.acquire(tier, ch.seq, idents[ch.at as usize])?;
+                        let conflict = owner.acquire(tier, ch.seq, idents[ch.at as usize]);
                         self.counters[HASH_CONFLICTS] += u64::from(conflict);
                     }
                     out.per_tier[tier] += made.len() as u64;
@@ -551,7 +552,7 @@ impl Work {
                 }
                 Event::Removed(r) => {
                     for ch in made {
-                        owner.release(tier, ch.seq)?;
+                        owner.release(tier, ch.seq).map_err(store_err)?;
                     }
                     self.counters[REMOVAL_UNKNOWN] += (r.hashes.len() - made.len()) as u64;
                     out.blocks += made.len();

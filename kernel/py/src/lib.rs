@@ -8,7 +8,8 @@
 //!
 //! The only crate on PyO3: what needs no interpreter is in
 //! `kvconductor_core` (kernel/core), and this crate is its Python edge,
-//! with the parts still mixed with PyO3 (`store`, `lane`, `shape`).
+//! with the parts still mixed with PyO3 (`lane`, `shape`; see
+//! docs/architecture.md, "The compiled kernel").
 
 mod lane;
 mod query;
