@@ -3,6 +3,8 @@
 //! trade-offs. `kernel/py` is the only crate that speaks PyO3; it wraps
 //! these in the `kvconductor._kernel` module.
 //!
+//! - `answer`: the answer's shape, laid out once per change of owners, and
+//!   its JSON.
 //! - `maps`: the u64-keyed tables the store is made of.
 //! - `kafka`: record batches and fetch responses read in place, CRC-32C.
 //! - `ingest`: the engine payloads real engines send, decoded.
@@ -10,6 +12,7 @@
 //! - `store`: a namespace's blocks (`BlockStore`'s logic), the query's walk
 //!   and the engine lane's view of one owner.
 
+pub mod answer;
 pub mod ingest;
 pub mod kafka;
 pub mod maps;

@@ -8,7 +8,7 @@
 //!
 //! The only crate on PyO3: what needs no interpreter is in
 //! `kvconductor_core` (kernel/core), and this crate is its Python edge,
-//! with the parts still mixed with PyO3 (`lane`, `shape`; see
+//! with the parts still mixed with PyO3 (`lane`; see
 //! docs/architecture.md, "The compiled kernel").
 
 mod lane;

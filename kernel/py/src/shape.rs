@@ -1,221 +1,41 @@
 //! `AnswerShape`: `kvconductor/index/answer_shape.py`'s `PyAnswerShape`, compiled.
-//! The answer is made here, as dicts with interned keys or as the JSON the
-//! HTTP API sends, with the owners' names and `DP` keys made once per
-//! layout, not once per query, and the layout made again in Rust after a
-//! change of owners (`set_instance`).
+//! The layout and the JSON answer are `kvconductor_core::answer::Shape`'s;
+//! here the answer is made as dicts with interned keys, with the owners'
+//! names and `DP` keys made once per layout, not once per query.
 
-use std::collections::HashMap;
-use std::ops::Range;
-
+use kvconductor_core::answer::{Lengths, Shape};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
-
-struct Rank {
-    slot: usize,
-    /// Its `DP` key, in `AnswerShape::keys`.
-    key: u32,
-}
-
-struct Instance {
-    /// The name in UTF-32-BE, whose byte order is code point order (that
-    /// of Python's `sorted`): `AnswerShape::instances` is sorted by it.
-    order: Vec<u8>,
-    /// Its (rank, slot)s in rank order, as `set_instance` gave them.
-    listed: Vec<(i64, usize)>,
-    name: Py<PyString>,
-    /// The row's head in the JSON answer: the name as a JSON string
-    /// (msgspec's encoding) and `:{"longest_matched":`.
-    head_json: Vec<u8>,
-    /// Its ranks in `AnswerShape::ranks`: all instances' ranks in one
-    /// array, read in order, where a vector per instance was a cache miss
-    /// per instance after the walk (~12 us of 122 instances' answer).
-    ranks: Range<usize>,
-}
 
 /// Per instance, in name order: its name, the name as JSON, and its
 /// (rank, slot)s in rank order.
 type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<u8>, Vec<(i64, usize)>)>;
 
-/// Blocks matched by one owner: GPU, CPU, DISK.
-pub(crate) type Lengths = (u64, u64, u64);
-
-/// `kvconductor/index/answer_shape.py`'s `SPARSE`.
-const SPARSE: usize = 8;
-
-/// `AnswerShape::place` of a slot no owner has.
-const NO_PLACE: u32 = u32::MAX;
-
 #[pyclass(module = "kvconductor._kernel")]
 pub struct AnswerShape {
     tenant: Py<PyString>,
-    tenant_json: Vec<u8>,
-    block_size: u64,
-    /// In name order.
-    instances: Vec<Instance>,
-    /// `DP` keys, made once per rank number, not once per owner; and
-    /// each as JSON, quoted, with its colon.
-    keys: Vec<Py<PyString>>,
-    keys_json: Vec<Vec<u8>>,
-    key_of: HashMap<i64, u32>,
-    /// Whether an instance changed since `ranks` and `place` were laid out.
-    stale: bool,
-    ranks: Vec<Rank>,
-    slots: usize,
-    /// Per slot, its instance's index in `instances` (or `NO_PLACE`).
-    place: Vec<u32>,
-    /// The listed owners' lengths by slot, kept between answers with every
-    /// entry None: at thousands of owners a table made for each answer was
-    /// a fresh allocation and a pass to clear it, every query.
-    table: Vec<Option<Lengths>>,
+    /// Instances named and ranks keyed by interned Python strings.
+    shape: Shape<Py<PyString>, Py<PyString>>,
 }
 
-/// The listed owners' lengths by slot: a table of every slot, or (for a
-/// few owners) the listed ones sorted by slot.
-enum BySlot<'a> {
-    Dense(&'a [Option<Lengths>]),
-    Sparse(&'a [(usize, Lengths)]),
-}
-
-impl BySlot<'_> {
-    #[inline]
-    fn get(&self, slot: usize) -> Option<Lengths> {
-        match self {
-            BySlot::Dense(table) => table[slot],
-            BySlot::Sparse(listed) => listed.binary_search_by_key(&slot, |l| l.0).ok().map(|i| listed[i].1),
+/// The (slot, GPU, CPU, DISK) lengths a walk gave, those with DISK 0 left
+/// out when `hits_only`.
+fn read_lengths(lengths: &Bound<'_, PyList>, hits_only: bool) -> PyResult<Vec<(usize, Lengths)>> {
+    let mut listed = Vec::with_capacity(lengths.len());
+    for item in lengths.iter() {
+        let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
+        if d != 0 || !hits_only {
+            listed.push((slot, (g, c, d)));
         }
     }
-}
-
-impl AnswerShape {
-    /// The ranks and slots the answers read, laid out again if stale.
-    fn lay_out(&mut self) {
-        if !self.stale {
-            return;
-        }
-        self.stale = false;
-        self.ranks.clear();
-        let mut slots = 0;
-        for inst in &mut self.instances {
-            let start = self.ranks.len();
-            for &(rank, slot) in &inst.listed {
-                slots = slots.max(slot + 1);
-                self.ranks.push(Rank { slot, key: self.key_of[&rank] });
-            }
-            inst.ranks = start..self.ranks.len();
-        }
-        self.place.clear();
-        self.place.resize(slots, NO_PLACE);
-        for (i, inst) in self.instances.iter().enumerate() {
-            for r in &self.ranks[inst.ranks.clone()] {
-                self.place[r.slot] = i as u32;
-            }
-        }
-        self.slots = slots;
-    }
-
-    /// `f` with the listed owners' lengths by slot and the instances to
-    /// visit (those of the listed owners, in name order; None: all). For
-    /// fewer owners than one in `SPARSE` instances (a query's
-    /// `instance_id`) only theirs are visited: with thousands of owners a
-    /// table and a pass over every instance were most of such an answer.
-    fn with_by_slot<T>(
-        &mut self,
-        lengths: &Bound<'_, PyList>,
-        hits_only: bool,
-        f: impl FnOnce(&Self, &BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
-    ) -> PyResult<T> {
-        let mut listed = Vec::with_capacity(lengths.len());
-        for item in lengths.iter() {
-            let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
-            if d != 0 || !hits_only {
-                listed.push((slot, (g, c, d)));
-            }
-        }
-        self.with_listed(listed, f)
-    }
-
-    /// `with_by_slot` for lengths already read.
-    fn with_listed<T>(
-        &mut self,
-        mut listed: Vec<(usize, Lengths)>,
-        f: impl FnOnce(&Self, &BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
-    ) -> PyResult<T> {
-        listed.retain(|l| l.0 < self.slots);
-        if listed.len() * SPARSE < self.instances.len() {
-            // A slot listed twice keeps its last lengths, as the table does.
-            listed.sort_by_key(|l| l.0);
-            listed.dedup_by(|later, kept| {
-                let same = later.0 == kept.0;
-                if same {
-                    *kept = *later;
-                }
-                same
-            });
-            let mut places: Vec<u32> = listed.iter().map(|l| self.place[l.0]).filter(|&p| p != NO_PLACE).collect();
-            places.sort_unstable();
-            places.dedup();
-            return f(self, &BySlot::Sparse(&listed), Some(&places));
-        }
-        let mut table = std::mem::take(&mut self.table);
-        table.resize(self.slots, None);
-        for &(slot, m) in &listed {
-            table[slot] = Some(m);
-        }
-        let out = f(self, &BySlot::Dense(&table), None);
-        for &(slot, _) in &listed {
-            table[slot] = None;
-        }
-        self.table = table;
-        out
-    }
-
-    /// `f` on each visited instance (`visit`: their indices; None: all)
-    /// with a listed rank, in order, with its best rank's lengths (largest
-    /// DISK, then GPU, then CPU; ties keep the lower rank) and its ranks
-    /// (listed or not: `by_slot` says).
-    fn for_rows(
-        &self,
-        by_slot: &BySlot<'_>,
-        visit: Option<&[u32]>,
-        mut f: impl FnMut(&Instance, Lengths, &[Rank]) -> PyResult<()>,
-    ) -> PyResult<()> {
-        let mut row = |inst: &Instance| {
-            let ranks = &self.ranks[inst.ranks.clone()];
-            let mut best: Option<Lengths> = None;
-            for r in ranks {
-                if let Some(m) = by_slot.get(r.slot) {
-                    if best.is_none_or(|b| (m.2, m.0, m.1) > (b.2, b.0, b.1)) {
-                        best = Some(m);
-                    }
-                }
-            }
-            best.map_or(Ok(()), |b| f(inst, b, ranks))
-        };
-        match visit {
-            None => self.instances.iter().try_for_each(&mut row),
-            Some(places) => places.iter().try_for_each(|&p| row(&self.instances[p as usize])),
-        }
-    }
+    Ok(listed)
 }
 
 #[pymethods]
 impl AnswerShape {
     #[new]
     fn new(tenant: Bound<'_, PyString>, tenant_json: Vec<u8>, block_size: u64, layout: Layout<'_>) -> PyResult<Self> {
-        let mut shape = AnswerShape {
-            tenant: tenant.unbind(),
-            tenant_json,
-            block_size,
-            instances: Vec::new(),
-            keys: Vec::new(),
-            keys_json: Vec::new(),
-            key_of: HashMap::new(),
-            stale: true,
-            ranks: Vec::new(),
-            slots: 0,
-            place: Vec::new(),
-            table: Vec::new(),
-        };
+        let mut shape = AnswerShape { tenant: tenant.unbind(), shape: Shape::new(tenant_json, block_size) };
         for (name, name_json, ranks) in layout {
             shape.set_instance(name, name_json, ranks)?;
         }
@@ -234,27 +54,8 @@ impl AnswerShape {
     ) -> PyResult<()> {
         let py = name.py();
         let order: Vec<u8> = name.call_method1("encode", ("utf-32-be", "surrogatepass"))?.extract()?;
-        for &(rank, _) in &ranks {
-            if !self.key_of.contains_key(&rank) {
-                self.key_of.insert(rank, self.keys.len() as u32);
-                self.keys.push(PyString::new(py, &rank.to_string()).unbind());
-                self.keys_json.push(format!("\"{rank}\":").into_bytes());
-            }
-        }
-        match self.instances.binary_search_by(|i| i.order.as_slice().cmp(&order)) {
-            Ok(i) if ranks.is_empty() => {
-                self.instances.remove(i);
-            }
-            Ok(i) => self.instances[i].listed = ranks,
-            Err(_) if ranks.is_empty() => {}
-            Err(i) => {
-                let mut head_json = name_json;
-                head_json.extend_from_slice(b":{\"longest_matched\":");
-                let inst = Instance { order, listed: ranks, name: name.unbind(), head_json, ranks: 0..0 };
-                self.instances.insert(i, inst);
-            }
-        }
-        self.stale = true;
+        let key = |rank: i64| PyString::new(py, &rank.to_string()).unbind();
+        self.shape.set_instance(order, name.unbind(), name_json, ranks, key);
         Ok(())
     }
 
@@ -264,51 +65,47 @@ impl AnswerShape {
         lengths: &Bound<'py, PyList>,
         hits_only: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.lay_out();
-        self.with_by_slot(lengths, hits_only, |this, by_slot, visit| {
-            let bs = this.block_size;
-            let keys = [
-                pyo3::intern!(py, "longest_matched"),
-                pyo3::intern!(py, "GPU"),
-                pyo3::intern!(py, "CPU"),
-                pyo3::intern!(py, "DISK"),
-                pyo3::intern!(py, "DP"),
-            ];
-            let out = PyDict::new(py);
-            this.for_rows(by_slot, visit, |inst, (g, c, d), ranks| {
-                // One int object wherever the row repeats a number (DISK is
-                // longest_matched, and GPU or CPU often equal it): at a hundred
-                // instances the answer's allocations are most of its cost.
-                let disk = (d * bs).into_pyobject(py)?;
-                let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
-                let dp = PyDict::new(py);
-                for r in ranks {
-                    if let Some(m) = by_slot.get(r.slot) {
-                        dp.set_item(this.keys[r.key as usize].bind(py), same(m.2)?)?;
-                    }
-                }
-                let row = PyDict::new(py);
-                row.set_item(keys[0], &disk)?;
-                row.set_item(keys[1], same(g)?)?;
-                row.set_item(keys[2], same(c)?)?;
-                row.set_item(keys[3], &disk)?;
-                row.set_item(keys[4], dp)?;
-                out.set_item(inst.name.bind(py), row)
-            })?;
-            let answer = PyDict::new(py);
-            if !out.is_empty() {
-                answer.set_item(this.tenant.bind(py), out)?;
+        let listed = read_lengths(lengths, hits_only)?;
+        let bs = self.shape.block_size();
+        let keys = [
+            pyo3::intern!(py, "longest_matched"),
+            pyo3::intern!(py, "GPU"),
+            pyo3::intern!(py, "CPU"),
+            pyo3::intern!(py, "DISK"),
+            pyo3::intern!(py, "DP"),
+        ];
+        let out = PyDict::new(py);
+        self.shape.rows(listed, |name, (g, c, d), ranks| {
+            // One int object wherever the row repeats a number (DISK is
+            // longest_matched, and GPU or CPU often equal it): at a hundred
+            // instances the answer's allocations are most of its cost.
+            let disk = (d * bs).into_pyobject(py)?;
+            let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
+            let dp = PyDict::new(py);
+            for (key, m) in ranks {
+                dp.set_item(key.bind(py), same(m.2)?)?;
             }
-            Ok(answer)
-        })
+            let row = PyDict::new(py);
+            row.set_item(keys[0], &disk)?;
+            row.set_item(keys[1], same(g)?)?;
+            row.set_item(keys[2], same(c)?)?;
+            row.set_item(keys[3], &disk)?;
+            row.set_item(keys[4], dp)?;
+            out.set_item(name.bind(py), row)
+        })?;
+        let answer = PyDict::new(py);
+        if !out.is_empty() {
+            answer.set_item(self.tenant.bind(py), out)?;
+        }
+        Ok(answer)
     }
 
     /// `shape`'s answer (with every listed owner) as the JSON msgspec
     /// writes for it.
     fn shape_json<'py>(&mut self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
-        self.lay_out();
-        let rows = lengths.len().min(self.instances.len());
-        self.with_by_slot(lengths, false, |this, by_slot, visit| this.write_json(py, rows, by_slot, visit))
+        let rows = lengths.len();
+        let listed = read_lengths(lengths, false)?;
+        Ok(PyBytes::new(py, &self.shape.json(listed, rows)))
     }
 }
 
@@ -321,81 +118,7 @@ impl AnswerShape {
         py: Python<'py>,
         listed: Vec<(usize, Lengths)>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        self.lay_out();
-        let rows = listed.len().min(self.instances.len());
-        self.with_listed(listed, |this, by_slot, visit| this.write_json(py, rows, by_slot, visit))
-    }
-
-    /// The JSON answer of `rows` rows at most (a capacity hint).
-    fn write_json<'py>(
-        &self,
-        py: Python<'py>,
-        rows: usize,
-        by_slot: &BySlot<'_>,
-        visit: Option<&[u32]>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        // `{tenant:{` then the rows; with no row, the answer is `{}`.
-        let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
-        out.push(b'{');
-        out.extend_from_slice(&self.tenant_json);
-        out.push(b':');
-        let head = out.len();
-        // A row is its instance's head, then a tail of numbers that rows of
-        // one rank and the same lengths share: where thousands of instances
-        // hold a prompt's first blocks, most rows repeat the one before.
-        let mut tail: Vec<u8> = Vec::with_capacity(96);
-        let mut last: Option<(Lengths, u32)> = None;
-        self.for_rows(by_slot, visit, |inst, best, ranks| {
-            out.push(if out.len() == head { b'{' } else { b',' });
-            out.extend_from_slice(&inst.head_json);
-            let key = match ranks {
-                [r] => Some((best, r.key)),
-                _ => None,
-            };
-            if key.is_none() || key != last {
-                tail.clear();
-                self.write_tail(&mut tail, best, ranks, by_slot);
-                last = key;
-            }
-            out.extend_from_slice(&tail);
-            Ok(())
-        })?;
-        if out.len() == head {
-            return Ok(PyBytes::new(py, b"{}"));
-        }
-        out.extend_from_slice(b"}}");
-        Ok(PyBytes::new(py, &out))
-    }
-
-    /// A row after its head: `longest_matched` and the tiers of the best
-    /// rank, then `DP` by listed rank, closed.
-    fn write_tail(&self, out: &mut Vec<u8>, (g, c, d): Lengths, ranks: &[Rank], by_slot: &BySlot<'_>) {
-        let bs = self.block_size;
-        let (mut num, mut disk) = (itoa::Buffer::new(), itoa::Buffer::new());
-        let disk = disk.format(d * bs).as_bytes();
-        // GPU and CPU mostly equal DISK: written from its digits.
-        let mut number = |out: &mut Vec<u8>, n: u64| {
-            out.extend_from_slice(if n == d { disk } else { num.format(n * bs).as_bytes() })
-        };
-        out.extend_from_slice(disk);
-        out.extend_from_slice(b",\"GPU\":");
-        number(out, g);
-        out.extend_from_slice(b",\"CPU\":");
-        number(out, c);
-        out.extend_from_slice(b",\"DISK\":");
-        out.extend_from_slice(disk);
-        out.extend_from_slice(b",\"DP\":{");
-        let mut first = true;
-        for r in ranks {
-            if let Some(m) = by_slot.get(r.slot) {
-                if !first {
-                    out.push(b',');
-                }
-                first = false;
-                out.extend_from_slice(&self.keys_json[r.key as usize]);
-                number(out, m.2);
-            }
-        }
-        out.extend_from_slice(b"}}");
+        let rows = listed.len();
+        Ok(PyBytes::new(py, &self.shape.json(listed, rows)))
     }
 }
