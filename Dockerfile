@@ -30,6 +30,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The kernel's Cargo workspace whole: Cargo.toml and Cargo.lock, core/ (no
+# Python) and py/ (the PyO3 module the wheel builds, pyproject.toml's path).
 COPY kernel ./kernel
 COPY kvconductor ./kvconductor
 # Wheels of kvconductor (with its compiled kernel) and of every dependency,

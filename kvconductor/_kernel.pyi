@@ -1,6 +1,6 @@
-# The compiled kernel's types (kernel/src/lib.rs registers these: the
-# #[pyclass]es and #[pyfunction]s of store.rs, shape.rs, lane.rs,
-# query_json.rs and lib.rs). `kvconductor.kernel` loads the module; the
+# The compiled kernel's types (kernel/py/src/lib.rs registers these: the
+# #[pyclass]es and #[pyfunction]s of kernel/py's store.rs, shape.rs, lane.rs,
+# record_batch.rs, query.rs and lib.rs). `kvconductor.kernel` loads the module; the
 # classes satisfy the Protocols of their Python twins
 # (`kvconductor.index.block_store.BlockStore`, `answer_shape.AnswerShape`).
 # Keep this in step with the #[pymethods] signatures.
@@ -23,7 +23,7 @@ class _JsonShape(Protocol):
 
 @final
 class BlockStore:
-    """kernel/src/store.rs: a namespace's per-block state."""
+    """kernel/py/src/store.rs: a namespace's per-block state."""
 
     def __new__(cls, max_retired: int, max_age_s: float) -> BlockStore: ...
     def set_now(self, now: float) -> None: ...
@@ -88,7 +88,7 @@ class BlockStore:
 
 @final
 class AnswerShape:
-    """kernel/src/shape.rs: one namespace's owners, as its answers lay them out."""
+    """kernel/py/src/shape.rs: one namespace's owners, as its answers lay them out."""
 
     def __new__(
         cls,
@@ -118,7 +118,7 @@ RunOut = tuple[
 
 @final
 class EngineLane:
-    """kernel/src/lane.rs: batches of engine records applied in the kernel."""
+    """kernel/py/src/lane.rs: batches of engine records applied in the kernel."""
 
     def __new__(
         cls, full_kinds: list[str], engine_tier: Callable[[str | None], int | None]
@@ -161,7 +161,7 @@ def read_token_query(
     body: bytes,
 ) -> tuple[str, int, bytes, str | None, str | None, str | None, str | None] | None: ...
 
-# kernel/src/record_batch.rs: Kafka record batches read into
+# kernel/py/src/record_batch.rs (over kernel/core/src/kafka): Kafka record batches read into
 # `kvconductor.wire.records.Incoming`s (the native fetch path).
 @final
 class Fetched:
@@ -220,7 +220,7 @@ def crc32c(data: bytes) -> int: ...
 
 @final
 class GroupState:
-    """kernel/src/groups_py.rs: `cache_groups.GroupState`'s twin."""
+    """kernel/py/src/groups.rs: `cache_groups.GroupState`'s twin."""
 
     def __new__(cls, kind: str, block_size: int, window: int | None, lookup: int) -> GroupState: ...
     @property

@@ -22,7 +22,7 @@ from aiokafka.client import ConnectionGroup
 from aiokafka.conn import AIOKafkaConnection, create_conn
 from aiokafka.protocol.fetch import FetchRequest
 
-# Fetch response versions the kernel reads (kernel/src/record_batch.rs,
+# Fetch response versions the kernel reads (kernel/core/src/kafka/record_batch.rs,
 # `parse_fetch_response`).
 KERNEL_FETCH_VERSIONS = range(0, 12)
 

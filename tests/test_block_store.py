@@ -1,4 +1,4 @@
-"""The compiled `BlockStore` (kernel/src/store.rs) behaves exactly like the
+"""The compiled `BlockStore` (kernel/py/src/store.rs) behaves exactly like the
 reference `PyBlockStore`: the same random operations on both give the same
 return values and the same state after every step.
 
@@ -541,7 +541,7 @@ def test_heavy_churn_in_large_maps() -> None:
 
 def test_maps_split_into_shards_past_their_threshold() -> None:
     """Past 65,536 keys the compiled catalog and query maps split into
-    shards that grow one at a time (kernel/src/sharded.rs): through the
+    shards that grow one at a time (kernel/core/src/maps/sharded.rs): through the
     split, single shards' growth, removals and a bulk load they hold what
     the reference holds, and queries agree."""
     rng = random.Random(11)

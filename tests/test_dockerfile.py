@@ -241,7 +241,7 @@ def _base(stage_name: str) -> str:
 
 def test_the_image_runs_the_python_every_figure_was_measured_on() -> None:
     """Python 3.11 in both stages: the kernel reads token ids from CPython
-    3.11's int objects directly (kernel/src/small_int.rs, compiled out on
+    3.11's int objects directly (kernel/py/src/small_int.rs, compiled out on
     3.12+ by kernel/build.rs's cfgs) and docs/benchmarks.md's figures are
     3.11's. The build stage's interpreter is the one the kernel is built
     for, so the runtime stage must be the same minor."""

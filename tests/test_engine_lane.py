@@ -1,4 +1,4 @@
-"""The engine lane (kernel/src/lane.rs, kvconductor/index/engine_lane.py) applies
+"""The engine lane (kernel/py/src/lane.rs, kvconductor/index/engine_lane.py) applies
 exactly what the Python path applies.
 
 Every stream goes through `Conductor.ingest` twice, with the lane and with

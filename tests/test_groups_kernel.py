@@ -1,4 +1,4 @@
-"""The compiled KV-cache groups (kernel/src/groups.rs) against their Python
+"""The compiled KV-cache groups (kernel/core/src/groups) against their Python
 twin (`cache_groups.GroupState`, `hybrid_hit`): the same copies after the
 same adds and removals, and the same hit for every owner of a query, on
 generated groups of every kind, block size and window, prompts by tokens

@@ -1,4 +1,4 @@
-"""The native fetch path (kvconductor/consumers/fetcher.py, kernel/src/record_batch.rs)
+"""The native fetch path (kvconductor/consumers/fetcher.py, kernel/core/src/kafka/record_batch.rs)
 reads exactly what aiokafka reads: the same records (keys, values,
 headers, offsets, timestamps) of the same partitions, for every codec the
 bridge can produce with, with transactions committed and aborted."""

@@ -4,7 +4,7 @@ The daemon sends its Fetch requests itself, to each partition's leader,
 over a connection of its own to each (`kvconductor.kafka.frames`: every
 answer read from the socket straight into one buffer, opened and
 authenticated by aiokafka), and the compiled kernel
-(kernel/src/record_batch.rs) reads each answer's partitions and their
+(kernel/core/src/kafka/record_batch.rs) reads each answer's partitions and their
 record batches in place, straight into the `Incoming`s the core takes:
 no Python per record, no copy of the fetched bytes. An `AIOKafkaClient`
 of its own keeps the cluster's metadata (who leads what).

@@ -6,7 +6,7 @@ order with their slots and their `DP` keys) is laid out once per change of
 owners, as an `AnswerShape`; a change names the one instance it changes
 (`set_instance`), so that at thousands of owners it costs no pass over
 them in Python. Two builds, like the block store's: the
-compiled one (`kernel/src/shape.rs`), which makes the answer's dicts without
+compiled one (`kernel/py/src/shape.rs`), which makes the answer's dicts without
 an interpreter loop (at 122 instances it was a third of a query's time) and
 writes the HTTP API's JSON answer without making them at all, and
 `PyAnswerShape`, the reference (tests/test_answer_shape.py holds them equal).

@@ -9,7 +9,7 @@ only does the per-block work, one call per event, so that its loops can run
 compiled.
 
 `PyBlockStore` (here) is the reference, in plain dicts; the compiled one
-(`kernel/src/store.rs`) must behave exactly the same (tests/test_block_store.py
+(`kernel/py/src/store.rs`) must behave exactly the same (tests/test_block_store.py
 drives both with the same random operations and compares `dump()`s).
 `new_store` picks the compiled one when the kernel is built and allowed.
 

@@ -1,6 +1,6 @@
 """The engine lane: batches of engine records applied by the compiled kernel.
 
-`EngineLane.run` hands a batch to `kernel/src/lane.rs`, which decodes each
+`EngineLane.run` hands a batch to `kernel/py/src/lane.rs`, which decodes each
 record, rebuilds its chains and updates the namespace's block store with no
 Python per record or event, for the shapes real engines send most (int
 hashes, token ids, device or local offload tiers, one KV-cache group). It

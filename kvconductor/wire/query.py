@@ -56,7 +56,7 @@ def read_token_query(body: bytes) -> tuple[TokenQuery, bytes] | None:
     None when it is not plainly valid: the `TokenQuery` decoder then says
     why, or takes it (a token id outside u32 is the index's 400).
 
-    With the kernel the body is read in one pass (`kernel/src/query_json.rs`):
+    With the kernel the body is read in one pass (`kernel/core/src/query/token_query.rs`):
     msgspec's `Raw` cost a scan of the whole prompt before the tokens were
     parsed in a second."""
     if KERNEL is not None:

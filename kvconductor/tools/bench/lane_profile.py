@@ -20,7 +20,7 @@ with line tables) and put it in place of the installed module; reinstall
 (`pip install -e .`) to go back to the release build:
 
     (cd kernel && PYO3_PYTHON=$PWD/../.venv/bin/python \
-        cargo build --profile profiling --features extension-module)
+        cargo build -p kvconductor-kernel --profile profiling --features extension-module)
     cp kernel/target/profiling/lib_kernel.so kvconductor/_kernel$(python -c \
         'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
     callgrind_annotate --inclusive=no callgrind.out.<pid>.1

@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::groups::{hybrid_hit, Group, Kind, Prefix};
+use kvconductor_core::groups::{chain, hybrid_hit, Group, Kind, Prefix};
 
 #[pyclass(module = "kvconductor._kernel")]
 pub struct GroupState {
@@ -103,7 +103,7 @@ pub fn hybrid_hits(
     let chained;
     let idents: &[u64] = match data {
         Some(data) => {
-            chained = crate::groups::chain(data, align, base);
+            chained = chain(data, align, base);
             &chained
         }
         None => &idents[..idents.len().min(reach)],

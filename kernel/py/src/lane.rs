@@ -12,11 +12,15 @@
 //! groups, a new or emptied owner,
 //! capacity, an unknown medium, a parent or a token-less store's content
 //! the store does not hold...).
-//! A record applies whole or not at all: its events change the owner's
-//! tier sets as they are checked, one probe a hash, and are undone there at
-//! the first event the lane cannot apply; only a record that got through
-//! goes on to the catalog and masks (`store::LaneOwner`). A record the lane
-//! stops at is left untouched and the caller applies it the Python way.
+//! A record applies whole or not at all (`kvconductor_core::ingest::apply`,
+//! over `kvconductor_core::store::LaneOwner`): its events change the
+//! owner's tier sets as they are checked, one probe a hash, and are undone
+//! there at the first event the lane cannot apply; only a record that got
+//! through goes on to the catalog and masks. A record the lane stops at is
+//! left untouched and the caller applies it the Python way. This file is
+//! what needs Python: reading the records, the contexts and their pending
+//! halves (Python dicts), the mediums' tiers (`media.engine_tier`), and
+//! handing counters and clocks back.
 //!
 //! A context holds what the Python path would look up for each record of
 //! one instance, header set and rank: the owner's slot in its namespace's
@@ -38,15 +42,13 @@
 //! with the GIL held.
 
 use hashbrown::HashMap;
+use kvconductor_core::ingest::apply::{self, Pending, Rules};
+use kvconductor_core::ingest::engine_wire::{self, Event};
+use kvconductor_core::store::TIERS;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::engine_wire::{self, Event, Extra, Stored};
-use crate::store::{BlockStore, LaneOwner, Store};
-
-const DEVICE: usize = 0;
-const TIERS: usize = 3;
+use crate::store::{store_err, BlockStore};
 
 /// Why `run` stopped: every record applied, record `stop` needs a context,
 /// or record `stop` is the Python path's.
@@ -106,8 +108,7 @@ const REMOVAL_UNKNOWN: usize = 1;
 const SEQ_GAPS: usize = 2;
 const SEQ_MISSING: usize = 3;
 const SEQ_REGRESSIONS: usize = 4;
-const COUNTER_NAMES: [&str; 5] =
-    ["hash_conflicts", "removal_unknown", "seq_gaps", "seq_missing", "seq_regressions"];
+const COUNTER_NAMES: [&str; 5] = ["hash_conflicts", "removal_unknown", "seq_gaps", "seq_missing", "seq_regressions"];
 
 /// One record, as read from its `core.Incoming`.
 struct Rec<'a> {
@@ -119,7 +120,8 @@ struct Rec<'a> {
 
 type CtxOut = (usize, [u64; TIERS], u8, f64);
 type InstOut = (Py<PyString>, f64, Vec<(u32, u64)>);
-type RunOut = (usize, u8, Option<u64>, f64, Vec<(&'static str, u64)>, Vec<(usize, usize, u64)>, Vec<CtxOut>, Vec<InstOut>);
+type RunOut =
+    (usize, u8, Option<u64>, f64, Vec<(&'static str, u64)>, Vec<(usize, usize, u64)>, Vec<CtxOut>, Vec<InstOut>);
 
 /// `EngineLane::window`'s bounds.
 const MIN_WINDOW: usize = 16;
@@ -150,21 +152,13 @@ pub struct EngineLane {
     gaps: Vec<(usize, usize, u64)>,
 }
 
-/// A record's scratch space and the counters it moves, apart from the
-/// contexts: applying borrows one context and these together.
+/// A record's scratch space (`kvconductor_core::ingest::apply::Work`) and
+/// the counters it moves, apart from the contexts: applying borrows one
+/// context and these together.
 #[derive(Default)]
 struct Work {
-    changes: Changes,
-    /// A store's identities, computed as it is applied.
-    idents: Vec<u64>,
+    apply: apply::Work,
     counters: [u64; 5],
-}
-
-/// What a record applied: blocks, blocks per tier, tiers stored to (a bit each).
-struct Applied {
-    blocks: usize,
-    per_tier: [u64; TIERS],
-    stored: u8,
 }
 
 /// How `step` left a record.
@@ -214,8 +208,7 @@ fn read_record<'a>(item: &'a Bound<'_, PyAny>, sig: &mut Vec<u8>) -> PyResult<Op
     // SAFETY: bytes objects are immutable and the tuple keeps them alive
     // for as long as `item` is borrowed.
     let key: &'a [u8] = unsafe { std::slice::from_raw_parts(key.as_bytes().as_ptr(), key.as_bytes().len()) };
-    let payload: &'a [u8] =
-        unsafe { std::slice::from_raw_parts(value.as_bytes().as_ptr(), value.as_bytes().len()) };
+    let payload: &'a [u8] = unsafe { std::slice::from_raw_parts(value.as_bytes().as_ptr(), value.as_bytes().len()) };
     if std::str::from_utf8(key).is_err() {
         return Ok(None);
     }
@@ -255,73 +248,6 @@ fn read_record<'a>(item: &'a Bound<'_, PyAny>, sig: &mut Vec<u8>) -> PyResult<Op
     Ok(Some(Rec { key, seq, now, payload }))
 }
 
-/// One change a record made to its owner's tier sets: undone when a later
-/// event of the record is the Python path's, else completed in the catalog
-/// and masks (`LaneOwner`). `at`: the hash's place in its event.
-#[derive(Clone, Copy)]
-struct Change {
-    seq: u64,
-    at: u32,
-    tier: u8,
-    stored: bool,
-}
-
-/// Past this many changes a record's latest change of a hash is looked up
-/// in a map, not by a scan of them.
-const SCAN: usize = 32;
-
-/// A record's changes so far, event by event (`ends`), and the latest of
-/// each hash when the record is long (`last`, filled as far as `synced`).
-#[derive(Default)]
-struct Changes {
-    list: Vec<Change>,
-    ends: Vec<usize>,
-    last: HashMap<u64, bool>,
-    synced: usize,
-}
-
-impl Changes {
-    fn clear(&mut self) {
-        self.list.clear();
-        self.ends.clear();
-        self.last.clear();
-        self.synced = 0;
-    }
-
-    /// Whether the record stored (true) or removed (false) `seq` last, in any tier.
-    fn last(&mut self, seq: u64) -> Option<bool> {
-        if self.list.len() <= SCAN {
-            return self.list.iter().rev().find(|c| c.seq == seq).map(|c| c.stored);
-        }
-        for c in &self.list[self.synced..] {
-            self.last.insert(c.seq, c.stored);
-        }
-        self.synced = self.list.len();
-        self.last.get(&seq).copied()
-    }
-
-    /// Puts the owner's tier sets back as they were before the record.
-    fn undo(&self, owner: &mut LaneOwner<'_>) {
-        for c in self.list.iter().rev() {
-            if c.stored {
-                owner.remove(usize::from(c.tier), c.seq);
-            } else {
-                owner.insert(usize::from(c.tier), c.seq);
-            }
-        }
-    }
-}
-
-/// A record's events staged on its owner's tier sets: None as soon as an
-/// event needs the Python path (the caller then undoes the changes).
-struct Stage<'s, 'o> {
-    owner: &'s mut LaneOwner<'o>,
-    ctx: &'s Ctx,
-    changes: &'s mut Changes,
-    /// With pending halves in the namespace: what they wait for.
-    busy: Option<Waits<'s, 's>>,
-}
-
 /// A namespace's pending halves, keyed by the hashes they wait on.
 struct Waits<'a, 'py> {
     waiting: &'a Bound<'py, PyDict>,
@@ -337,95 +263,14 @@ impl Waits<'_, '_> {
     }
 }
 
-impl Stage<'_, '_> {
-    fn stored(&mut self, ev: &Stored<'_>, tier: usize) -> Option<()> {
-        let ctx = self.ctx;
-        let n = ev.hashes.len();
-        let size_ok = match ev.block_size {
-            None | Some(0) => true,
-            Some(s) => s == ctx.block_size as i128,
-        };
-        let kind_ok = match (ev.kind, ctx.kind0.as_deref()) {
-            (None, _) => true,
-            (Some(kind), Some(kind0)) => engine_wire::same(kind.as_bytes(), kind0.as_bytes()),
-            (Some(_), None) => false,
-        };
-        let plain = match ev.extra {
-            Extra::None => true,
-            Extra::Plain(k) => k == n,
-            Extra::Keyed => false,
-        };
-        let fits = ev.tokens.as_ref().is_none_or(|t| t.len() >= n * ctx.block_size * 4);
-        if n == 0
-            || ev.group_idx.unwrap_or(0) != 0
-            || !kind_ok
-            || !size_ok
-            || ev.lora_id.is_some()
-            || ev.lora_name.is_some_and(|l| !l.is_empty())
-            || !plain
-            || (ctx.pool_mode && tier != DEVICE)
-            || !fits
-            || self.owner.size() + n > ctx.max_blocks
-        {
-            return None;
-        }
-        // A chain hangs from its parent's content; a token-less store (an
-        // offload's) names content by its hashes, which must be known.
-        // Held content is never expired or evicted before the store reads it.
-        let needed: &[u64] = match (&ev.tokens, &ev.parent) {
-            (Some(_), Some(p)) => std::slice::from_ref(p),
-            (Some(_), None) => &[],
-            (None, _) => &ev.hashes,
-        };
-        for &h in needed {
-            let known = match self.changes.last(h) {
-                Some(stored) => stored,
-                None => self.owner.held_content(h).is_some(),
-            };
-            if !known {
-                return None;
-            }
-        }
-        if let (Some(w), Some(_)) = (&self.busy, &ev.tokens) {
-            for &h in &ev.hashes {
-                if w.learns(h).unwrap_or(true) {
-                    return None;
-                }
-            }
-        }
-        let from = self.changes.list.len();
-        let mut held = 0;
-        for (k, &h) in ev.hashes.iter().enumerate() {
-            if self.owner.insert(tier, h) {
-                self.changes.list.push(Change { seq: h, at: k as u32, tier: tier as u8, stored: true });
-            } else if !self.changes.list[from..].iter().any(|c| c.seq == h) {
-                held += 1; // held before this event (not a repeat within it)
-            }
-        }
-        if held == n && ev.parent.is_none() && ctx.reannounces {
-            // A re-announcement (`NamespaceIndex._copies`): nothing changes.
-            return Some(());
-        }
-        // Some held: copies, the Python path's.
-        (held == 0).then_some(())
+/// A lookup that raised is the Python path's.
+impl Pending for Waits<'_, '_> {
+    fn learns(&self, seq: u64) -> bool {
+        Waits::learns(self, seq).unwrap_or(true)
     }
 
-    fn removed(&mut self, hashes: &[u64], group_idx: Option<u32>, tier: usize) -> Option<()> {
-        if group_idx.unwrap_or(0) != 0 || (self.ctx.pool_mode && tier != DEVICE) {
-            return None;
-        }
-        for (k, &h) in hashes.iter().enumerate() {
-            if self.owner.remove(tier, h) {
-                self.changes.list.push(Change { seq: h, at: k as u32, tier: tier as u8, stored: false });
-            } else if let Some(w) = &self.busy {
-                // A hash not held may cancel a wait (`_cancel_wait`).
-                if w.waiting.contains(h).unwrap_or(true) {
-                    return None;
-                }
-            }
-        }
-        // An emptied owner leaves its namespace: the Python path's.
-        (self.owner.size() > 0).then_some(())
+    fn waits_on(&self, seq: u64) -> bool {
+        self.waiting.contains(seq).unwrap_or(true)
     }
 }
 
@@ -457,116 +302,11 @@ fn waits<'a, 'py>(
             return Ok(None);
         }
     }
-    Ok(Some(Some(Waits { waiting: ctx.waiting.bind(py), children: ctx.children.bind(py), unresolved: ctx.unresolved.bind(py) })))
-}
-
-impl Work {
-    /// Applies one decoded record whole to its context's owner in `st`;
-    /// None: nothing was applied. Its events change the owner's tier sets
-    /// first, each checked as it goes (undone at the first the Python path
-    /// must apply); then the catalog and masks follow the changes, event
-    /// by event.
-    #[allow(clippy::too_many_arguments)]
-    fn apply(
-        &mut self,
-        ctx: &Ctx,
-        st: &mut Store,
-        busy: Option<Waits<'_, '_>>,
-        rec: &Rec<'_>,
-        events: &[Event<'_>],
-        tiers: &[usize],
-        now: &mut f64,
-    ) -> PyResult<Option<Applied>> {
-        let Some(mut owner) = st.lane_owner(ctx.slot) else { return Ok(None) };
-        for (ev, &tier) in events.iter().zip(tiers) {
-            let hashes = match ev {
-                Event::Stored(s) => {
-                    if let Some(p) = s.parent {
-                        owner.prefetch(tier, p);
-                    }
-                    &s.hashes
-                }
-                Event::Removed(r) => &r.hashes,
-            };
-            for &h in hashes {
-                owner.prefetch(tier, h);
-            }
-        }
-        let changes = &mut self.changes;
-        changes.clear();
-        let mut stage = Stage { owner: &mut owner, ctx, changes, busy };
-        for (ev, &tier) in events.iter().zip(tiers) {
-            let ok = match ev {
-                Event::Stored(s) => stage.stored(s, tier),
-                Event::Removed(r) => stage.removed(&r.hashes, r.group_idx, tier),
-            };
-            if ok.is_none() {
-                stage.changes.undo(stage.owner);
-                return Ok(None);
-            }
-            stage.changes.ends.push(stage.changes.list.len());
-        }
-        if rec.now > *now {
-            *now = rec.now;
-        }
-        // The removed blocks' mask lines, by the content the catalog (in
-        // cache since the prefetch above) names, all asked for together.
-        for c in changes.list.iter().filter(|c| !c.stored) {
-            if let Some(ident) = owner.content(c.seq) {
-                owner.prefetch_mask(usize::from(c.tier), ident);
-            }
-        }
-        let mut out = Applied { blocks: 0, per_tier: [0; TIERS], stored: 0 };
-        let mut from = 0;
-        let idents = &mut self.idents;
-        for ((ev, &tier), &to) in events.iter().zip(tiers).zip(&changes.ends) {
-            let made = &changes.list[from..to];
-            from = to;
-            match ev {
-                Event::Stored(s) => {
-                    owner.touch_expire(*now);
-                    out.stored |= 1 << tier;
-                    if made.is_empty() {
-                        continue; // a re-announcement
-                    }
-                    let n = s.hashes.len();
-                    idents.clear();
-                    match s.tokens.as_deref() {
-                        Some(tokens) => {
-                            let mut ident = match s.parent {
-                                Some(p) => owner.content(p).expect("a held parent"),
-                                None => ctx.seed,
-                            };
-                            let step = ctx.block_size * 4;
-                            idents.extend(tokens[..n * step].chunks_exact(step).map(|block| {
-                                ident = xxh3_64_with_seed(block, ident);
-                                ident
-                            }));
-                        }
-                        // The catalog's, as placing with no identities takes them.
-                        None => idents.extend(s.hashes.iter().map(|&h| owner.content(h).expect("held content"))),
-                    }
-                    for ch in made {
-                        owner.prefetch_mask(tier, idents[ch.at as usize]);
-                    }
-                    for ch in made {
-                        let conflict = owner.acquire(tier, ch.seq, idents[ch.at as usize])?;
-                        self.counters[HASH_CONFLICTS] += u64::from(conflict);
-                    }
-                    out.per_tier[tier] += made.len() as u64;
-                    out.blocks += made.len();
-                }
-                Event::Removed(r) => {
-                    for ch in made {
-                        owner.release(tier, ch.seq)?;
-                    }
-                    self.counters[REMOVAL_UNKNOWN] += (r.hashes.len() - made.len()) as u64;
-                    out.blocks += made.len();
-                }
-            }
-        }
-        Ok(Some(out))
-    }
+    Ok(Some(Some(Waits {
+        waiting: ctx.waiting.bind(py),
+        children: ctx.children.bind(py),
+        unresolved: ctx.unresolved.bind(py),
+    })))
 }
 
 impl EngineLane {
@@ -591,7 +331,14 @@ impl EngineLane {
     /// Decodes and applies record `i` (`rec`, its signature so far in
     /// `sig`) whole, or says who must. `py`: None with the GIL released,
     /// when whatever needs it is left to `run` (`Step::Gil`).
-    fn step(&mut self, py: Option<Python<'_>>, i: usize, rec: &Rec<'_>, sig: &mut Vec<u8>, now: &mut f64) -> PyResult<Step> {
+    fn step(
+        &mut self,
+        py: Option<Python<'_>>,
+        i: usize,
+        rec: &Rec<'_>,
+        sig: &mut Vec<u8>,
+        now: &mut f64,
+    ) -> PyResult<Step> {
         let Some(batch) = engine_wire::decode_with(rec.payload, &mut self.spare) else { return Ok(Step::Python) };
         match batch.dp_rank {
             Some(r) => {
@@ -626,7 +373,21 @@ impl EngineLane {
             None if ctx.busy => return Ok(Step::Gil),
             None => None,
         };
-        let Some(applied) = self.work.apply(ctx, &mut st, busy, rec, &batch.events, &self.tiers, now)? else {
+        let rules = Rules {
+            slot: ctx.slot,
+            block_size: ctx.block_size,
+            seed: ctx.seed,
+            max_blocks: ctx.max_blocks,
+            pool_mode: ctx.pool_mode,
+            reannounces: ctx.reannounces,
+            kind0: ctx.kind0.as_deref(),
+        };
+        let work = &mut self.work;
+        let applied = work.apply.apply(&rules, &mut st, busy, rec.now, &batch.events, &self.tiers, now);
+        let tally = std::mem::take(&mut work.apply.tally);
+        work.counters[HASH_CONFLICTS] += tally.hash_conflicts;
+        work.counters[REMOVAL_UNKNOWN] += tally.removal_unknown;
+        let Some(applied) = applied.map_err(store_err)? else {
             return Ok(Step::Python);
         };
         let store_now = st.now();
@@ -745,7 +506,14 @@ impl EngineLane {
     /// store's clock), per instance touched (name, last event time, (rank,
     /// last kv-seq) changed)).
     #[pyo3(signature = (records, start, now, end=None))]
-    fn run(&mut self, py: Python<'_>, records: &Bound<'_, PyList>, start: usize, now: f64, end: Option<usize>) -> PyResult<RunOut> {
+    fn run(
+        &mut self,
+        py: Python<'_>,
+        records: &Bound<'_, PyList>,
+        start: usize,
+        now: f64,
+        end: Option<usize>,
+    ) -> PyResult<RunOut> {
         let mut now = now;
         let mut sig = std::mem::take(&mut self.sig);
         let end = end.map_or(records.len(), |e| e.min(records.len()));

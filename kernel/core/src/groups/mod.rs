@@ -1,7 +1,7 @@
 //! KV-cache groups of hybrid models and vLLM's hit over them: the compiled
 //! twin of `kvconductor/index/cache_groups.py` (`GroupState`, `Prefix`,
-//! `hybrid_hit`), held equal to it by tests/test_groups_kernel.py. No Python
-//! here: the module's edge is `groups_py`.
+//! `hybrid_hit`), held equal to it by tests/test_groups_kernel.py. Its
+//! Python edge is kernel/py/src/groups.rs.
 //!
 //! A group's block is keyed by the content of the prefix it ends (`Prefix::key`),
 //! so a query's keys are the same for every owner: they are computed once
@@ -48,6 +48,10 @@ impl Group {
     /// Engine hashes held (not copies).
     pub fn len(&self) -> usize {
         self.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
     }
 
     /// Hold one more copy of a block; a hash held already keeps its key.
@@ -248,7 +252,7 @@ mod tests {
         assert!(g.remove(1));
         assert_eq!(g.len(), 1);
         assert!(g.remove(1));
-        assert!(g.len() == 0 && !g.remove(1));
+        assert!(g.is_empty() && !g.remove(1));
     }
 
     #[test]

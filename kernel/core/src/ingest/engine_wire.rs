@@ -33,7 +33,7 @@ fn utf8(bytes: &[u8]) -> Option<&str> {
 /// the field names are a few to 28 bytes, for which a `memcmp` call costs
 /// more than the compare (it was ~4% of applying a record).
 #[inline]
-pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
+pub fn same(a: &[u8], b: &[u8]) -> bool {
     #[inline(always)]
     fn w8(s: &[u8], i: usize) -> u64 {
         u64::from_le_bytes(s[i..i + 8].try_into().unwrap_or_default())
@@ -455,7 +455,7 @@ impl<'a> Rd<'a, '_> {
                             wide
                         }
                     }
-                    _ => crate::msgpack_u32(&mut b)?,
+                    _ => super::msgpack_u32(&mut b)?,
                 };
                 // SAFETY: `k < n` and the buffer has room for `n` ids.
                 unsafe { dst.add(k).write_unaligned(v.to_le_bytes()) };
@@ -872,13 +872,13 @@ mod tests {
                 let e = stored_with_tokens(&[0xdc, 0, len as u8], &enc);
                 // With and without bytes after the ids (the rank).
                 for rank in [None, Some(3)] {
-                    let p = batch(&[e.clone()], rank);
+                    let p = batch(std::slice::from_ref(&e), rank);
                     let b = decode(&p).expect("in the subset");
                     let Event::Stored(s) = &b.events[0] else { panic!("a store") };
                     assert_eq!(s.tokens.as_deref().unwrap_or_default(), &want[..]);
                 }
                 if !enc.is_empty() {
-                    let p = batch(&[e.clone()], None);
+                    let p = batch(std::slice::from_ref(&e), None);
                     assert!(decode(&p[..p.len() - 1]).is_none());
                 }
             }

@@ -31,9 +31,7 @@ mod layout {
     /// SAFETY: `item` is a live object.
     #[inline]
     pub unsafe fn read(item: *mut ffi::PyObject) -> Option<u32> {
-        if !DIGITS_30.load(Ordering::Relaxed)
-            || ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyLong_Type)
-        {
+        if !DIGITS_30.load(Ordering::Relaxed) || ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyLong_Type) {
             return None;
         }
         match (*item.cast::<ffi::PyVarObject>()).ob_size {

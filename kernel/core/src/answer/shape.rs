@@ -1,60 +1,56 @@
-//! `AnswerShape`: `kvconductor/index/answer_shape.py`'s `PyAnswerShape`, compiled.
-//! The answer is made here, as dicts with interned keys or as the JSON the
-//! HTTP API sends, with the owners' names and `DP` keys made once per
-//! layout, not once per query, and the layout made again in Rust after a
-//! change of owners (`set_instance`).
+//! The answer's shape (`kvconductor/index/answer_shape.py`'s
+//! `PyAnswerShape`): instances in name order, their ranks, `DP` keys and
+//! names as JSON, laid out once per change of owners, not per query; and
+//! the JSON answer written from it. The Python edge
+//! (`kernel/py/src/shape.rs`, `AnswerShape`) makes the dict answer from
+//! `rows` and hands the names and keys as interned Python strings.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::ops::Range;
 
-use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
-
-struct Rank {
+pub(crate) struct Rank {
     slot: usize,
-    /// Its `DP` key, in `AnswerShape::keys`.
+    /// Its `DP` key, in `Shape::keys`.
     key: u32,
 }
 
-struct Instance {
+struct Instance<N> {
     /// The name in UTF-32-BE, whose byte order is code point order (that
-    /// of Python's `sorted`): `AnswerShape::instances` is sorted by it.
+    /// of Python's `sorted`): `Shape::instances` is sorted by it.
     order: Vec<u8>,
     /// Its (rank, slot)s in rank order, as `set_instance` gave them.
     listed: Vec<(i64, usize)>,
-    name: Py<PyString>,
+    name: N,
     /// The row's head in the JSON answer: the name as a JSON string
     /// (msgspec's encoding) and `:{"longest_matched":`.
     head_json: Vec<u8>,
-    /// Its ranks in `AnswerShape::ranks`: all instances' ranks in one
+    /// Its ranks in `Shape::ranks`: all instances' ranks in one
     /// array, read in order, where a vector per instance was a cache miss
     /// per instance after the walk (~12 us of 122 instances' answer).
     ranks: Range<usize>,
 }
 
-/// Per instance, in name order: its name, the name as JSON, and its
-/// (rank, slot)s in rank order.
-type Layout<'py> = Vec<(Bound<'py, PyString>, Vec<u8>, Vec<(i64, usize)>)>;
-
 /// Blocks matched by one owner: GPU, CPU, DISK.
-pub(crate) type Lengths = (u64, u64, u64);
+pub type Lengths = (u64, u64, u64);
 
 /// `kvconductor/index/answer_shape.py`'s `SPARSE`.
 const SPARSE: usize = 8;
 
-/// `AnswerShape::place` of a slot no owner has.
+/// `Shape::place` of a slot no owner has.
 const NO_PLACE: u32 = u32::MAX;
 
-#[pyclass(module = "kvconductor._kernel")]
-pub struct AnswerShape {
-    tenant: Py<PyString>,
+/// One namespace's owners as its answers lay them out. `N`: an instance's
+/// name as the caller makes rows of it (the Python edge's interned string);
+/// `K`: a rank's `DP` key likewise.
+pub struct Shape<N, K> {
     tenant_json: Vec<u8>,
     block_size: u64,
     /// In name order.
-    instances: Vec<Instance>,
+    instances: Vec<Instance<N>>,
     /// `DP` keys, made once per rank number, not once per owner; and
     /// each as JSON, quoted, with its colon.
-    keys: Vec<Py<PyString>>,
+    keys: Vec<K>,
     keys_json: Vec<Vec<u8>>,
     key_of: HashMap<i64, u32>,
     /// Whether an instance changed since `ranks` and `place` were laid out.
@@ -86,7 +82,7 @@ impl BySlot<'_> {
     }
 }
 
-impl AnswerShape {
+impl<N, K> Shape<N, K> {
     /// The ranks and slots the answers read, laid out again if stale.
     fn lay_out(&mut self) {
         if !self.stale {
@@ -118,28 +114,11 @@ impl AnswerShape {
     /// fewer owners than one in `SPARSE` instances (a query's
     /// `instance_id`) only theirs are visited: with thousands of owners a
     /// table and a pass over every instance were most of such an answer.
-    fn with_by_slot<T>(
-        &mut self,
-        lengths: &Bound<'_, PyList>,
-        hits_only: bool,
-        f: impl FnOnce(&Self, &BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
-    ) -> PyResult<T> {
-        let mut listed = Vec::with_capacity(lengths.len());
-        for item in lengths.iter() {
-            let (slot, g, c, d): (usize, u64, u64, u64) = item.extract()?;
-            if d != 0 || !hits_only {
-                listed.push((slot, (g, c, d)));
-            }
-        }
-        self.with_listed(listed, f)
-    }
-
-    /// `with_by_slot` for lengths already read.
     fn with_listed<T>(
         &mut self,
         mut listed: Vec<(usize, Lengths)>,
-        f: impl FnOnce(&Self, &BySlot<'_>, Option<&[u32]>) -> PyResult<T>,
-    ) -> PyResult<T> {
+        f: impl FnOnce(&Self, &BySlot<'_>, Option<&[u32]>) -> T,
+    ) -> T {
         listed.retain(|l| l.0 < self.slots);
         if listed.len() * SPARSE < self.instances.len() {
             // A slot listed twice keeps its last lengths, as the table does.
@@ -173,13 +152,13 @@ impl AnswerShape {
     /// with a listed rank, in order, with its best rank's lengths (largest
     /// DISK, then GPU, then CPU; ties keep the lower rank) and its ranks
     /// (listed or not: `by_slot` says).
-    fn for_rows(
+    fn for_rows<E>(
         &self,
         by_slot: &BySlot<'_>,
         visit: Option<&[u32]>,
-        mut f: impl FnMut(&Instance, Lengths, &[Rank]) -> PyResult<()>,
-    ) -> PyResult<()> {
-        let mut row = |inst: &Instance| {
+        mut f: impl FnMut(&Instance<N>, Lengths, &[Rank]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut row = |inst: &Instance<N>| {
             let ranks = &self.ranks[inst.ranks.clone()];
             let mut best: Option<Lengths> = None;
             for r in ranks {
@@ -198,12 +177,9 @@ impl AnswerShape {
     }
 }
 
-#[pymethods]
-impl AnswerShape {
-    #[new]
-    fn new(tenant: Bound<'_, PyString>, tenant_json: Vec<u8>, block_size: u64, layout: Layout<'_>) -> PyResult<Self> {
-        let mut shape = AnswerShape {
-            tenant: tenant.unbind(),
+impl<N, K> Shape<N, K> {
+    pub fn new(tenant_json: Vec<u8>, block_size: u64) -> Self {
+        Shape {
             tenant_json,
             block_size,
             instances: Vec::new(),
@@ -215,24 +191,33 @@ impl AnswerShape {
             slots: 0,
             place: Vec::new(),
             table: Vec::new(),
-        };
-        for (name, name_json, ranks) in layout {
-            shape.set_instance(name, name_json, ranks)?;
         }
-        Ok(shape)
+    }
+
+    pub fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    /// How many instances have a listed rank.
+    pub fn instances(&self) -> usize {
+        self.instances.len()
     }
 
     /// One instance's (rank, slot)s, in rank order, in place of what it
-    /// had (none: the instance goes). A change of owners costs this and,
-    /// at the next answer, a pass over the owners' slots in Rust, where
-    /// making the whole shape again in Python cost ~40 ms at 10,000 owners.
-    fn set_instance(&mut self, name: Bound<'_, PyString>, name_json: Vec<u8>, ranks: Vec<(i64, usize)>) -> PyResult<()> {
-        let py = name.py();
-        let order: Vec<u8> = name.call_method1("encode", ("utf-32-be", "surrogatepass"))?.extract()?;
+    /// had (none: the instance goes). `order`: its name in UTF-32-BE (code
+    /// point order, Python's `sorted`); `key` makes a new rank's `DP` key.
+    pub fn set_instance(
+        &mut self,
+        order: Vec<u8>,
+        name: N,
+        name_json: Vec<u8>,
+        ranks: Vec<(i64, usize)>,
+        mut key: impl FnMut(i64) -> K,
+    ) {
         for &(rank, _) in &ranks {
             if !self.key_of.contains_key(&rank) {
                 self.key_of.insert(rank, self.keys.len() as u32);
-                self.keys.push(PyString::new(py, &rank.to_string()).unbind());
+                self.keys.push(key(rank));
                 self.keys_json.push(format!("\"{rank}\":").into_bytes());
             }
         }
@@ -245,80 +230,43 @@ impl AnswerShape {
             Err(i) => {
                 let mut head_json = name_json;
                 head_json.extend_from_slice(b":{\"longest_matched\":");
-                let inst = Instance { order, listed: ranks, name: name.unbind(), head_json, ranks: 0..0 };
+                let inst = Instance { order, listed: ranks, name, head_json, ranks: 0..0 };
                 self.instances.insert(i, inst);
             }
         }
         self.stale = true;
-        Ok(())
     }
 
-    fn shape<'py>(
+    /// `f` on each row of the answer, in name order, for the owners'
+    /// lengths `listed` (slot, lengths in blocks): the instance's name, its
+    /// best rank's lengths (largest DISK, then GPU, then CPU; ties keep the
+    /// lower rank) and its listed ranks' `DP` keys with their lengths.
+    pub fn rows<E>(
         &mut self,
-        py: Python<'py>,
-        lengths: &Bound<'py, PyList>,
-        hits_only: bool,
-    ) -> PyResult<Bound<'py, PyDict>> {
+        listed: Vec<(usize, Lengths)>,
+        mut f: impl FnMut(&N, Lengths, &mut dyn Iterator<Item = (&K, Lengths)>) -> Result<(), E>,
+    ) -> Result<(), E> {
         self.lay_out();
-        self.with_by_slot(lengths, hits_only, |this, by_slot, visit| {
-            let bs = this.block_size;
-            let keys = [
-                pyo3::intern!(py, "longest_matched"),
-                pyo3::intern!(py, "GPU"),
-                pyo3::intern!(py, "CPU"),
-                pyo3::intern!(py, "DISK"),
-                pyo3::intern!(py, "DP"),
-            ];
-            let out = PyDict::new(py);
-            this.for_rows(by_slot, visit, |inst, (g, c, d), ranks| {
-                // One int object wherever the row repeats a number (DISK is
-                // longest_matched, and GPU or CPU often equal it): at a hundred
-                // instances the answer's allocations are most of its cost.
-                let disk = (d * bs).into_pyobject(py)?;
-                let same = |n: u64| if n == d { Ok(disk.clone()) } else { (n * bs).into_pyobject(py) };
-                let dp = PyDict::new(py);
-                for r in ranks {
-                    if let Some(m) = by_slot.get(r.slot) {
-                        dp.set_item(this.keys[r.key as usize].bind(py), same(m.2)?)?;
-                    }
-                }
-                let row = PyDict::new(py);
-                row.set_item(keys[0], &disk)?;
-                row.set_item(keys[1], same(g)?)?;
-                row.set_item(keys[2], same(c)?)?;
-                row.set_item(keys[3], &disk)?;
-                row.set_item(keys[4], dp)?;
-                out.set_item(inst.name.bind(py), row)
-            })?;
-            let answer = PyDict::new(py);
-            if !out.is_empty() {
-                answer.set_item(this.tenant.bind(py), out)?;
-            }
-            Ok(answer)
+        self.with_listed(listed, |this, by_slot, visit| {
+            this.for_rows(by_slot, visit, |inst, best, ranks| {
+                let mut dp = ranks.iter().filter_map(|r| by_slot.get(r.slot).map(|m| (&this.keys[r.key as usize], m)));
+                f(&inst.name, best, &mut dp)
+            })
         })
     }
 
-    /// `shape`'s answer (with every listed owner) as the JSON msgspec
-    /// writes for it.
-    fn shape_json<'py>(&mut self, py: Python<'py>, lengths: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
+    /// The answer as the JSON msgspec writes for it: `{tenant:{row...}}`,
+    /// or `{}` with no row. `rows`: how many rows at most (a capacity hint).
+    pub fn json(&mut self, listed: Vec<(usize, Lengths)>, rows: usize) -> Vec<u8> {
         self.lay_out();
-        let rows = lengths.len().min(self.instances.len());
-        self.with_by_slot(lengths, false, |this, by_slot, visit| this.write_json(py, rows, by_slot, visit))
+        let rows = rows.min(self.instances.len());
+        self.with_listed(listed, |this, by_slot, visit| this.write_json(rows, by_slot, visit))
     }
 }
 
-impl AnswerShape {
-    /// `shape_json`'s answer for lengths a walk left in Rust (no tuple an
-    /// owner: at 10,000 owners making and reading them was most of an
-    /// answer that lists them all).
-    pub(crate) fn json_of<'py>(&mut self, py: Python<'py>, listed: Vec<(usize, Lengths)>) -> PyResult<Bound<'py, PyBytes>> {
-        self.lay_out();
-        let rows = listed.len().min(self.instances.len());
-        self.with_listed(listed, |this, by_slot, visit| this.write_json(py, rows, by_slot, visit))
-    }
-
+impl<N, K> Shape<N, K> {
     /// The JSON answer of `rows` rows at most (a capacity hint).
-    fn write_json<'py>(&self, py: Python<'py>, rows: usize, by_slot: &BySlot<'_>, visit: Option<&[u32]>) -> PyResult<Bound<'py, PyBytes>> {
+    fn write_json(&self, rows: usize, by_slot: &BySlot<'_>, visit: Option<&[u32]>) -> Vec<u8> {
         // `{tenant:{` then the rows; with no row, the answer is `{}`.
         let mut out: Vec<u8> = Vec::with_capacity(64 + 96 * rows);
         out.push(b'{');
@@ -343,13 +291,14 @@ impl AnswerShape {
                 last = key;
             }
             out.extend_from_slice(&tail);
-            Ok(())
-        })?;
+            Ok::<(), Infallible>(())
+        })
+        .unwrap_or_else(|never| match never {});
         if out.len() == head {
-            return Ok(PyBytes::new(py, b"{}"));
+            return b"{}".to_vec();
         }
         out.extend_from_slice(b"}}");
-        Ok(PyBytes::new(py, &out))
+        out
     }
 
     /// A row after its head: `longest_matched` and the tiers of the best

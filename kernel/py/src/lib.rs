@@ -5,22 +5,23 @@
 //! (`identity_i = xxh3_64(block_i, seed = identity_{i-1})`). Both paths must
 //! give the pure-Python ones' answers (tests/test_kernel.py,
 //! tests/test_block_store.py).
+//!
+//! The only crate on PyO3: what needs no interpreter is in
+//! `kvconductor_core` (kernel/core), and this crate is its Python edge,
+//! with the parts still mixed with PyO3 (`lane`; see
+//! docs/architecture.md, "The compiled kernel").
 
-mod count_map;
-mod engine_wire;
 mod groups;
-mod groups_py;
 mod lane;
-mod query_json;
+mod query;
 mod record_batch;
-mod seq_set;
 mod shape;
-mod sharded;
 mod small_int;
 mod store;
 
 use std::os::raw::c_ulong;
 
+use kvconductor_core::ingest::msgpack_u32;
 use pyo3::buffer::PyBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -29,12 +30,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// `kvconductor.wire.hashing.chain_identities` without extra keys.
 #[pyfunction]
-fn chain_identities(
-    data: &[u8],
-    n_blocks: usize,
-    block_size: usize,
-    parent: u64,
-) -> PyResult<Vec<u64>> {
+fn chain_identities(data: &[u8], n_blocks: usize, block_size: usize, parent: u64) -> PyResult<Vec<u64>> {
     let step = block_size * 4;
     if step == 0 || n_blocks.checked_mul(step).is_none_or(|n| n > data.len()) {
         return Err(pyo3::exceptions::PyValueError::new_err("fewer token bytes than blocks"));
@@ -140,30 +136,12 @@ fn msgpack_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> PyResult<Option<Bo
     Ok(packed.filter(|_| rd.is_empty()))
 }
 
-/// One msgpack integer in [0, 2**32). The encodings an encoder picks for
-/// such a value (the smallest) are read here; any other goes through
-/// `rmp`, which takes every integer encoding and checks the range (a
-/// generic read per token was half of this function's time).
-#[inline]
-pub(crate) fn msgpack_u32(rd: &mut &[u8]) -> Option<u32> {
-    let (&marker, rest) = rd.split_first()?;
-    let (value, len) = match marker {
-        0x00..=0x7f => (u32::from(marker), 0),
-        0xcc => (u32::from(*rest.first()?), 1),
-        0xcd => (u32::from(u16::from_be_bytes(rest.get(..2)?.try_into().ok()?)), 2),
-        0xce => (u32::from_be_bytes(rest.get(..4)?.try_into().ok()?), 4),
-        _ => return rmp::decode::read_int(rd).ok(),
-    };
-    *rd = &rest[len..];
-    Some(value)
-}
-
 /// `kvconductor.wire.hashing.tokens_from_json`: one JSON array of token ids in
 /// [0, 2**32), as little-endian u32; None for anything else (the query
 /// API's typed decoder then says what is wrong).
 #[pyfunction]
 fn json_tokens<'py>(py: Python<'py>, raw: PyBuffer<u8>) -> Option<Bound<'py, PyBytes>> {
-    Some(PyBytes::new(py, &query_json::json_tokens(buffer_bytes(&raw)?)?))
+    Some(PyBytes::new(py, &kvconductor_core::query::json_tokens(buffer_bytes(&raw)?)?))
 }
 
 /// The bytes of a contiguous buffer (a msgspec.Raw, bytes, or a fetch
@@ -185,11 +163,11 @@ fn _kernel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shape::AnswerShape>()?;
     m.add_class::<lane::EngineLane>()?;
     record_batch::register(m)?;
-    groups_py::register(m)?;
+    groups::register(m)?;
     m.add_function(wrap_pyfunction!(chain_identities, m)?)?;
     m.add_function(wrap_pyfunction!(pack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(msgpack_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(json_tokens, m)?)?;
-    m.add_function(wrap_pyfunction!(query_json::read_token_query, m)?)?;
+    m.add_function(wrap_pyfunction!(query::read_token_query, m)?)?;
     Ok(())
 }

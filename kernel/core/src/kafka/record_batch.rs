@@ -16,12 +16,14 @@
 //! batch, so the kernel needs no compression crates and the framings
 //! (xerial snappy, lz4 frames) stay those aiokafka reads.
 //!
-//! Everything above `mod py` is plain Rust; `mod py` is the Python edge.
+//! Plain Rust: the Python edge is `kernel/py/src/record_batch.rs`.
 
 use std::borrow::Cow;
 use std::collections::BinaryHeap;
 
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashSet;
+
+use super::crc::crc32c;
 
 /// Bytes of a batch before its records.
 pub const BATCH_HEADER: usize = 61;
@@ -549,541 +551,6 @@ pub fn parse_fetch_response(b: &[u8], version: i16) -> Result<FetchAnswer<'_>, &
     Ok(FetchAnswer { error_code, partitions })
 }
 
-// ------------------------------------------------------------------ CRC-32C
-
-const CASTAGNOLI: u32 = 0x82f6_3b78; // reflected
-
-const fn crc_table() -> [u32; 256] {
-    let mut table = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 != 0 { (c >> 1) ^ CASTAGNOLI } else { c >> 1 };
-            k += 1;
-        }
-        table[i] = c;
-        i += 1;
-    }
-    table
-}
-
-static CRC_TABLE: [u32; 256] = crc_table();
-
-fn crc32c_table(crc: u32, data: &[u8]) -> u32 {
-    data.iter().fold(crc, |c, &b| CRC_TABLE[((c ^ u32::from(b)) & 0xff) as usize] ^ (c >> 8))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.2")]
-unsafe fn crc32c_sse42_serial(crc: u32, data: &[u8]) -> u32 {
-    use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
-    let mut c = u64::from(crc);
-    let mut words = data.chunks_exact(8);
-    for w in &mut words {
-        c = _mm_crc32_u64(c, u64::from_le_bytes(w.try_into().expect("8 bytes")));
-    }
-    let mut c = c as u32;
-    for &b in words.remainder() {
-        c = _mm_crc32_u8(c, b);
-    }
-    c
-}
-
-/// Bytes each of the three interleaved CRCs covers a stride (see
-/// `crc32c_sse42`).
-const LANE: usize = 1024;
-
-/// `crc32c_sse42_serial(c, [0; LANE])`, which is linear in `c`, as four
-/// tables of its value on each byte of `c`.
-#[cfg(target_arch = "x86_64")]
-fn lane_shift() -> &'static [[u32; 256]; 4] {
-    static SHIFT: std::sync::OnceLock<Box<[[u32; 256]; 4]>> = std::sync::OnceLock::new();
-    SHIFT.get_or_init(|| {
-        let zeros = [0u8; LANE];
-        // SAFETY: only called from `crc32c_sse42`, which the CPU can run.
-        let bit: Vec<u32> = (0..32).map(|i| unsafe { crc32c_sse42_serial(1 << i, &zeros) }).collect();
-        let mut t = Box::new([[0u32; 256]; 4]);
-        for (k, table) in t.iter_mut().enumerate() {
-            for (b, slot) in table.iter_mut().enumerate() {
-                *slot = (0..8).filter(|j| b >> j & 1 != 0).fold(0, |acc, j| acc ^ bit[8 * k + j]);
-            }
-        }
-        t
-    })
-}
-
-/// CRC-32C by the SSE 4.2 instruction. One chain of it waits three
-/// cycles an instruction for the last; three independent chains over
-/// three lanes of each stride keep the unit busy, and are joined by the
-/// CRC's linearity: crc(c, A || B) = crc(c, zeros(|B|)) ^ crc(0, B).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.2")]
-unsafe fn crc32c_sse42(crc: u32, data: &[u8]) -> u32 {
-    use std::arch::x86_64::_mm_crc32_u64;
-    if data.len() < 3 * LANE {
-        return crc32c_sse42_serial(crc, data);
-    }
-    let shift = lane_shift();
-    let by_shift = |c: u32| {
-        let t = shift;
-        t[0][(c & 0xff) as usize]
-            ^ t[1][(c >> 8 & 0xff) as usize]
-            ^ t[2][(c >> 16 & 0xff) as usize]
-            ^ t[3][(c >> 24) as usize]
-    };
-    let word = |b: &[u8], i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-    let mut c = crc;
-    let mut strides = data.chunks_exact(3 * LANE);
-    for stride in &mut strides {
-        let (a, rest) = stride.split_at(LANE);
-        let (b, d) = rest.split_at(LANE);
-        let (mut c0, mut c1, mut c2) = (u64::from(c), 0u64, 0u64);
-        for i in (0..LANE).step_by(8) {
-            c0 = _mm_crc32_u64(c0, word(a, i));
-            c1 = _mm_crc32_u64(c1, word(b, i));
-            c2 = _mm_crc32_u64(c2, word(d, i));
-        }
-        c = by_shift(by_shift(c0 as u32) ^ c1 as u32) ^ c2 as u32;
-    }
-    crc32c_sse42_serial(c, strides.remainder())
-}
-
-/// CRC-32C (Castagnoli), as Kafka's record batches carry it.
-pub fn crc32c(data: &[u8]) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("sse4.2") {
-        // SAFETY: the CPU has SSE 4.2, checked just above.
-        return !unsafe { crc32c_sse42(!0, data) };
-    }
-    !crc32c_table(!0, data)
-}
-
-// ---------------------------------------------------------------- the edge
-
-mod py {
-    use super::*;
-    use pyo3::buffer::PyBuffer;
-    use pyo3::exceptions::{PyTypeError, PyValueError};
-    use pyo3::ffi;
-    use pyo3::prelude::*;
-    use pyo3::types::{PyBytes, PyFloat, PyList, PyString, PyTuple, PyType};
-
-    /// Distinct values remembered per header name, and keys: past them a
-    /// value (a `kv-seq`) is made each time rather than remembered.
-    const VALUES_PER_NAME: usize = 64;
-    const KEYS: usize = 1 << 16;
-
-    struct Name {
-        text: Py<PyString>,
-        /// Value -> the (name, value) pair, shared by every record with it.
-        pairs: HashMap<Option<Vec<u8>>, Py<PyTuple>>,
-    }
-
-    /// A header value to look up among owned ones without copying it.
-    #[derive(Hash)]
-    struct Val<'a>(Option<&'a [u8]>);
-
-    impl hashbrown::Equivalent<Option<Vec<u8>>> for Val<'_> {
-        fn equivalent(&self, key: &Option<Vec<u8>>) -> bool {
-            self.0 == key.as_deref()
-        }
-    }
-
-    struct Calls<'py> {
-        py: Python<'py>,
-        inflate: &'py Bound<'py, PyAny>,
-    }
-
-    impl Inflate for Calls<'_> {
-        fn inflate(&mut self, codec: u8, data: &[u8]) -> Result<Vec<u8>, String> {
-            let out = self.inflate.call1((codec, PyBytes::new(self.py, data))).map_err(|e| e.to_string())?;
-            let out = out.cast_into::<PyBytes>().map_err(|e| e.to_string())?;
-            Ok(out.as_bytes().to_vec())
-        }
-    }
-
-    /// Reads fetched partitions into `core.Incoming`s (see the module doc).
-    #[pyclass(module = "kvconductor._kernel")]
-    pub struct RecordReader {
-        incoming: Py<PyType>,
-        inflate: Py<PyAny>,
-        kind_header: Vec<u8>,
-        origin_key_header: Vec<u8>,
-        names: HashMap<Vec<u8>, Name>,
-        keys: HashMap<Vec<u8>, Py<PyBytes>>,
-        check_crc: bool,
-    }
-
-    /// One partition's records as read: `records` (Incoming) with their
-    /// offsets and timestamps (ms), the offset to fetch next, and why the
-    /// read stopped early (None: it did not).
-    #[pyclass(module = "kvconductor._kernel", frozen)]
-    pub struct Fetched {
-        #[pyo3(get)]
-        records: Py<PyList>,
-        offsets: Vec<i64>,
-        timestamps: Vec<i64>,
-        #[pyo3(get)]
-        next_offset: i64,
-        #[pyo3(get)]
-        error: Option<String>,
-    }
-
-    #[pymethods]
-    impl Fetched {
-        fn __len__(&self) -> usize {
-            self.offsets.len()
-        }
-
-        /// How many of the records are at `start` or past it.
-        fn remaining(&self, start: i64) -> usize {
-            self.offsets.len() - self.offsets.partition_point(|&o| o < start)
-        }
-
-        #[getter]
-        fn offsets(&self) -> Vec<i64> {
-            self.offsets.clone()
-        }
-
-        #[getter]
-        fn timestamps(&self) -> Vec<i64> {
-            self.timestamps.clone()
-        }
-    }
-
-    /// Several partitions' records in produce order (`merge`).
-    #[pyclass(module = "kvconductor._kernel", frozen)]
-    pub struct Merged {
-        #[pyo3(get)]
-        records: Py<PyList>,
-        parts: Vec<u32>,
-        offsets: Vec<i64>,
-        timestamps: Vec<i64>,
-        n_parts: usize,
-    }
-
-    #[pymethods]
-    impl Merged {
-        fn __len__(&self) -> usize {
-            self.offsets.len()
-        }
-
-        /// Record `i`'s (partition index, offset, timestamp in ms).
-        fn at(&self, i: usize) -> PyResult<(u32, i64, i64)> {
-            if i >= self.offsets.len() {
-                return Err(pyo3::exceptions::PyIndexError::new_err("record index out of range"));
-            }
-            Ok((self.parts[i], self.offsets[i], self.timestamps[i]))
-        }
-
-        /// Per partition with records in `[start, end)`: (partition index,
-        /// the offset after its last there, how many there).
-        fn through(&self, start: usize, end: usize) -> Vec<(u32, i64, usize)> {
-            let end = end.min(self.offsets.len());
-            let mut last: Vec<Option<(i64, usize)>> = vec![None; self.n_parts];
-            for i in start.min(end)..end {
-                let slot = &mut last[self.parts[i] as usize];
-                let n = slot.map_or(0, |(_, n)| n);
-                *slot = Some((self.offsets[i] + 1, n + 1));
-            }
-            last.iter().enumerate().filter_map(|(p, s)| s.map(|(next, n)| (p as u32, next, n))).collect()
-        }
-    }
-
-    /// The first `limit` of `parts`' records from `starts[i]` on (the
-    /// offsets below were handed out already) merged by timestamp (see
-    /// `merge_by_timestamp`).
-    #[pyfunction]
-    pub fn merge_fetched(
-        py: Python<'_>,
-        parts: Vec<PyRef<'_, Fetched>>,
-        starts: Vec<i64>,
-        limit: usize,
-    ) -> PyResult<Merged> {
-        if parts.len() != starts.len() {
-            return Err(PyValueError::new_err("one start offset a part"));
-        }
-        let firsts: Vec<usize> =
-            parts.iter().zip(&starts).map(|(p, &s)| p.offsets.partition_point(|&o| o < s)).collect();
-        let stamps: Vec<&[i64]> = parts.iter().zip(&firsts).map(|(p, &f)| &p.timestamps[f..]).collect();
-        let order = merge_by_timestamp(&stamps, limit);
-        let lists: Vec<&Bound<'_, PyList>> = parts.iter().map(|p| p.records.bind(py)).collect();
-        let mut out = Merged {
-            records: PyList::empty(py).unbind(),
-            parts: Vec::with_capacity(order.len()),
-            offsets: Vec::with_capacity(order.len()),
-            timestamps: Vec::with_capacity(order.len()),
-            n_parts: parts.len(),
-        };
-        let items: Vec<Bound<'_, PyAny>> = order
-            .iter()
-            .map(|&(p, i)| {
-                let (p, j) = (p as usize, firsts[p as usize] + i as usize);
-                out.parts.push(p as u32);
-                out.offsets.push(parts[p].offsets[j]);
-                out.timestamps.push(parts[p].timestamps[j]);
-                lists[p].get_item(j)
-            })
-            .collect::<PyResult<_>>()?;
-        out.records = PyList::new(py, items)?.unbind();
-        Ok(out)
-    }
-
-    /// `t`, of bytes, str, None and untracked tuples only, left out of the
-    /// cyclic GC, as CPython itself leaves such tuples once it meets them:
-    /// it can be in no cycle. A fetch keeps tens of thousands of records
-    /// alive while they are applied, and each collection of the youngest
-    /// generation walked them all: 2-3x the cost of reading them.
-    fn untracked(t: Bound<'_, PyTuple>) -> Bound<'_, PyTuple> {
-        // SAFETY: a live, tracked tuple (just made by PyTuple::new).
-        unsafe { ffi::PyObject_GC_UnTrack(t.as_ptr().cast()) };
-        t
-    }
-
-    impl RecordReader {
-        fn key(&mut self, py: Python<'_>, key: &[u8]) -> Py<PyBytes> {
-            if let Some(k) = self.keys.get(key) {
-                return k.clone_ref(py);
-            }
-            let k = PyBytes::new(py, key).unbind();
-            if self.keys.len() < KEYS {
-                self.keys.insert(key.to_vec(), k.clone_ref(py));
-            }
-            k
-        }
-
-        fn pair(&mut self, py: Python<'_>, h: &Header<'_>) -> PyResult<Py<PyTuple>> {
-            let name = match self.names.get_mut(h.key) {
-                Some(n) => n,
-                None => {
-                    let text =
-                        std::str::from_utf8(h.key).map_err(|_| PyValueError::new_err("a header name is not UTF-8"))?;
-                    let name = Name { text: PyString::new(py, text).unbind(), pairs: HashMap::new() };
-                    self.names.entry(h.key.to_vec()).or_insert(name)
-                }
-            };
-            if let Some(pair) = name.pairs.get(&Val(h.value)) {
-                return Ok(pair.clone_ref(py));
-            }
-            let value: Bound<'_, PyAny> = match h.value {
-                Some(v) => PyBytes::new(py, v).into_any(),
-                None => py.None().into_bound(py),
-            };
-            let pair = untracked(PyTuple::new(py, [name.text.bind(py).clone().into_any(), value])?).unbind();
-            if name.pairs.len() < VALUES_PER_NAME {
-                name.pairs.insert(h.value.map(<[u8]>::to_vec), pair.clone_ref(py));
-            }
-            Ok(pair)
-        }
-
-        /// An `Incoming` made as its `__new__` makes it (a tuple of the
-        /// type), without the Python call.
-        fn incoming(&self, py: Python<'_>, items: [Bound<'_, PyAny>; 5]) -> PyResult<Py<PyAny>> {
-            let ty = self.incoming.bind(py);
-            // SAFETY: `ty` is a tuple subclass without fields of its own
-            // (checked in `new`): its `tp_alloc` makes a tuple of 5 empty
-            // slots, each filled once here, as `tuple.__new__` fills them.
-            unsafe {
-                let tp = ty.as_type_ptr();
-                let alloc = (*tp).tp_alloc.unwrap_or(ffi::PyType_GenericAlloc);
-                let obj = alloc(tp, 5);
-                if obj.is_null() {
-                    return Err(PyErr::fetch(py));
-                }
-                for (i, item) in items.into_iter().enumerate() {
-                    ffi::PyTuple_SET_ITEM(obj, i as ffi::Py_ssize_t, item.into_ptr());
-                }
-                // Its items are atoms and untracked tuples (see `untracked`);
-                // its type is a module's class, which outlives it.
-                ffi::PyObject_GC_UnTrack(obj.cast());
-                Ok(Py::from_owned_ptr(py, obj))
-            }
-        }
-    }
-
-    #[pymethods]
-    impl RecordReader {
-        /// `incoming`: `core.Incoming`; `inflate(codec, data) -> bytes`
-        /// decompresses a batch's records; `kind_header` and
-        /// `origin_key_header`: what says a repartitioned record's kind and
-        /// origin key (`read` with `pool=None`).
-        #[new]
-        #[pyo3(signature = (incoming, inflate, kind_header, origin_key_header, check_crc = true))]
-        fn new(
-            incoming: Bound<'_, PyType>,
-            inflate: Py<PyAny>,
-            kind_header: &str,
-            origin_key_header: &str,
-            check_crc: bool,
-        ) -> PyResult<Self> {
-            let py = incoming.py();
-            let tuple = py.get_type::<PyTuple>();
-            // SAFETY: reading the two type objects' sizes.
-            let same_layout = unsafe {
-                let (a, b) = (incoming.as_type_ptr(), tuple.as_type_ptr());
-                (*a).tp_basicsize == (*b).tp_basicsize && (*a).tp_itemsize == (*b).tp_itemsize
-            };
-            if !incoming.is_subclass(tuple.as_any())? || !same_layout {
-                return Err(PyTypeError::new_err("incoming must be a NamedTuple of 5 fields"));
-            }
-            Ok(RecordReader {
-                incoming: incoming.unbind(),
-                inflate,
-                kind_header: kind_header.as_bytes().to_vec(),
-                origin_key_header: origin_key_header.as_bytes().to_vec(),
-                names: HashMap::new(),
-                keys: HashMap::new(),
-                check_crc,
-            })
-        }
-
-        /// One partition's `records` bytes from `fetch_offset` on (see
-        /// `read_partition`). `pool`: every record's `Incoming.pool`; None:
-        /// repartitioned records, whose kind and key are in their headers.
-        /// `data` is any contiguous buffer (bytes, or a memoryview of a
-        /// fetch response's buffer), unchanged while it is read.
-        #[pyo3(signature = (data, fetch_offset, pool, aborted = None, read_committed = true))]
-        fn read(
-            &mut self,
-            py: Python<'_>,
-            data: PyBuffer<u8>,
-            fetch_offset: i64,
-            pool: Option<bool>,
-            aborted: Option<Vec<(i64, i64)>>,
-            read_committed: bool,
-        ) -> PyResult<Fetched> {
-            let data = contiguous(&data)?;
-            let inflate = self.inflate.clone_ref(py).into_bound(py);
-            let mut calls = Calls { py, inflate: &inflate };
-            let list = PyList::empty(py);
-            let mut offsets = Vec::new();
-            let mut timestamps = Vec::new();
-            let check_crc = self.check_crc;
-            let read = read_partition(
-                data,
-                fetch_offset,
-                aborted.as_deref().unwrap_or_default(),
-                read_committed,
-                check_crc,
-                &mut calls,
-                |r, headers| -> PyResult<()> {
-                    let mut pairs = Vec::with_capacity(headers.len());
-                    let mut kind_pool = false;
-                    let mut origin_key: Option<&[u8]> = None;
-                    for h in headers {
-                        pairs.push(self.pair(py, h)?.into_bound(py).into_any());
-                        if pool.is_none() {
-                            if h.key == self.kind_header {
-                                kind_pool = h.value == Some(b"pool");
-                            } else if h.key == self.origin_key_header {
-                                origin_key = h.value;
-                            }
-                        }
-                    }
-                    let (is_pool, key) = match pool {
-                        Some(p) => (p, r.key),
-                        None => (kind_pool, origin_key),
-                    };
-                    let key = match key {
-                        Some(k) => self.key(py, k).into_bound(py).into_any(),
-                        None => py.None().into_bound(py),
-                    };
-                    let value = match r.value {
-                        Some(v) => PyBytes::new(py, v).into_any(),
-                        None => py.None().into_bound(py),
-                    };
-                    let items = [
-                        pyo3::types::PyBool::new(py, is_pool).to_owned().into_any(),
-                        key,
-                        untracked(PyTuple::new(py, pairs)?).into_any(),
-                        value,
-                        PyFloat::new(py, r.timestamp as f64 / 1000.0).into_any(),
-                    ];
-                    list.append(self.incoming(py, items)?)?;
-                    offsets.push(r.offset);
-                    timestamps.push(r.timestamp);
-                    Ok(())
-                },
-            )?;
-            Ok(Fetched {
-                records: list.unbind(),
-                offsets,
-                timestamps,
-                next_offset: read.next_offset,
-                error: read.error.map(|e| e.to_string()),
-            })
-        }
-    }
-
-    fn contiguous(data: &PyBuffer<u8>) -> PyResult<&[u8]> {
-        crate::buffer_bytes(data).ok_or_else(|| PyValueError::new_err("a contiguous buffer of bytes"))
-    }
-
-    /// One partition's answer in a Fetch response: (topic, partition,
-    /// error code, high watermark, last stable offset or None, aborted
-    /// transactions or None, where its records start and end in `data`).
-    type Answer = (Py<PyString>, i32, i16, i64, Option<i64>, Option<Vec<(i64, i64)>>, usize, usize);
-
-    /// The Fetch response of `version` in `data` from `offset` on (its
-    /// body, after the response header; see `parse_fetch_response`): its
-    /// own error code and its partitions' answers, their records left in
-    /// `data` (read them with `RecordReader.read` on a slice of it).
-    #[pyfunction]
-    pub fn fetch_response(
-        py: Python<'_>,
-        data: PyBuffer<u8>,
-        offset: usize,
-        version: i16,
-    ) -> PyResult<(i16, Vec<Answer>)> {
-        let bytes = contiguous(&data)?;
-        let body = bytes.get(offset..).ok_or_else(|| PyValueError::new_err("offset past the response"))?;
-        let answer = parse_fetch_response(body, version).map_err(PyValueError::new_err)?;
-        let mut names: Vec<(&str, Py<PyString>)> = Vec::new();
-        let mut out = Vec::with_capacity(answer.partitions.len());
-        for p in answer.partitions {
-            let name = match names.iter().find(|(n, _)| *n == p.topic) {
-                Some((_, t)) => t.clone_ref(py),
-                None => {
-                    let t = PyString::new(py, p.topic).unbind();
-                    names.push((p.topic, t.clone_ref(py)));
-                    t
-                }
-            };
-            out.push((
-                name,
-                p.partition,
-                p.error_code,
-                p.high_watermark,
-                p.last_stable_offset,
-                p.aborted,
-                offset + p.records.start,
-                offset + p.records.end,
-            ));
-        }
-        Ok((answer.error_code, out))
-    }
-
-    /// `crc32c(data)`, for the tests.
-    #[pyfunction]
-    pub fn crc32c(data: &[u8]) -> u32 {
-        super::crc32c(data)
-    }
-}
-
-/// Registers the edge in the kernel module.
-pub fn register(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
-    use pyo3::prelude::*;
-    m.add_class::<py::RecordReader>()?;
-    m.add_class::<py::Fetched>()?;
-    m.add_class::<py::Merged>()?;
-    m.add_function(wrap_pyfunction!(py::merge_fetched, m)?)?;
-    m.add_function(wrap_pyfunction!(py::fetch_response, m)?)?;
-    m.add_function(wrap_pyfunction!(py::crc32c, m)?)?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1231,17 +698,6 @@ mod tests {
 
     fn offsets(rows: &[Row]) -> Vec<i64> {
         rows.iter().map(|r| r.0).collect()
-    }
-
-    #[test]
-    fn crc32c_known_answers() {
-        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
-        assert_eq!(crc32c(b""), 0);
-        let long: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + (i >> 9)) as u8).collect();
-        for n in [0, 1, 7, 1000, 3071, 3072, 3073, 3080, 6144, 10_000, 40_000] {
-            assert_eq!(crc32c(&long[..n]), !crc32c_table(!0, &long[..n]), "{n} bytes");
-            assert_eq!(crc32c(&long[5..n.max(5)]), !crc32c_table(!0, &long[5..n.max(5)]), "{n} bytes, unaligned");
-        }
     }
 
     #[test]
@@ -1437,7 +893,10 @@ mod tests {
 
     /// A Fetch response body of `version`: one topic, its partitions
     /// (partition, error, aborted, records; None: null).
-    fn response(version: i16, topic: &str, parts: &[(i32, i16, Option<&[(i64, i64)]>, Option<&[u8]>)]) -> Vec<u8> {
+    /// (partition, error, aborted, records) of a test's fetch response.
+    type Part<'a> = (i32, i16, Option<&'a [(i64, i64)]>, Option<&'a [u8]>);
+
+    fn response(version: i16, topic: &str, parts: &[Part<'_>]) -> Vec<u8> {
         let mut out = Vec::new();
         if version >= 1 {
             out.extend_from_slice(&7i32.to_be_bytes()); // throttle
@@ -1554,5 +1013,160 @@ mod tests {
         let d: &[i64] = &[9, 1];
         assert_eq!(merge_by_timestamp(&[d, &[5]], 9), [(1, 0), (0, 0), (0, 1)]);
         assert_eq!(merge_by_timestamp(&[d], 9), [(0, 0), (0, 1)]);
+    }
+
+    /// Property tests: the parser against the builders above.
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        type Bytes = Option<Vec<u8>>;
+        /// A record as generated: offset gap from the one before, timestamp
+        /// delta, key, value, headers.
+        type Gen = (i64, i64, Bytes, Bytes, Vec<(Vec<u8>, Bytes)>);
+
+        fn bytes() -> impl Strategy<Value = Bytes> {
+            prop::option::of(prop::collection::vec(any::<u8>(), 0..40))
+        }
+
+        fn record() -> impl Strategy<Value = Gen> {
+            (
+                1i64..4,
+                -1000i64..1000,
+                bytes(),
+                bytes(),
+                prop::collection::vec((prop::collection::vec(any::<u8>(), 0..12), bytes()), 0..3),
+            )
+        }
+
+        /// Batches of 1..5 records each, from offset `base`; the bytes and
+        /// the rows `read_partition` should give.
+        fn encode(base: i64, batches: &[Vec<Gen>]) -> (Vec<u8>, Vec<Row>, Vec<usize>) {
+            let mut data = Vec::new();
+            let mut rows = Vec::new();
+            let mut ends = Vec::new(); // rows complete at each batch's end
+            let mut next = base;
+            for gens in batches {
+                let mut delta = -1;
+                let recs: Vec<Rec<'_>> = gens
+                    .iter()
+                    .map(|(gap, ts, k, v, h)| {
+                        delta += gap;
+                        Rec {
+                            offset_delta: delta,
+                            ts_delta: *ts,
+                            key: k.as_deref(),
+                            value: v.as_deref(),
+                            headers: h.iter().map(|(hk, hv)| (hk.as_slice(), hv.as_deref())).collect(),
+                        }
+                    })
+                    .collect();
+                for r in &recs {
+                    rows.push((
+                        next + r.offset_delta,
+                        BASE_TS + r.ts_delta,
+                        r.key.map(<[u8]>::to_vec),
+                        r.value.map(<[u8]>::to_vec),
+                        r.headers.iter().map(|(k, v)| (k.to_vec(), v.map(<[u8]>::to_vec))).collect(),
+                    ));
+                }
+                data.extend(batch(&plain(next), &recs));
+                next += delta + 1;
+                ends.push(rows.len());
+            }
+            (data, rows, ends)
+        }
+
+        fn batches() -> impl Strategy<Value = (i64, Vec<Vec<Gen>>)> {
+            (0i64..1 << 40, prop::collection::vec(prop::collection::vec(record(), 1..5), 0..5))
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+            /// Every record written is read back, in order, with its offset,
+            /// timestamp, key, value and headers; the next offset is past
+            /// the last batch.
+            #[test]
+            fn records_written_are_read_back((base, gens) in batches()) {
+                let (data, want, _) = encode(base, &gens);
+                let (rows, read) = read_all(&data, base, &[], true, &mut NoInflate);
+                prop_assert_eq!(read.error, None);
+                let next = want.last().map_or(base, |r| r.0 + 1);
+                prop_assert_eq!(read.next_offset, next);
+                prop_assert_eq!(rows, want);
+            }
+
+            /// Bytes cut anywhere (a fetch's size limit) read the complete
+            /// batches before the cut and nothing of the partial one.
+            #[test]
+            fn a_cut_reads_the_complete_batches((base, gens) in batches(), cut in any::<prop::sample::Index>()) {
+                let (data, want, ends) = encode(base, &gens);
+                let cut = cut.index(data.len() + 1);
+                let (rows, read) = read_all(&data[..cut], base, &[], true, &mut NoInflate);
+                prop_assert_eq!(read.error, None);
+                // The batches that end at or before the cut.
+                let mut end = 0;
+                let mut at = 0;
+                for &n in &ends {
+                    let size = batch_len(&data[at..]);
+                    if at + size > cut {
+                        break;
+                    }
+                    at += size;
+                    end = n;
+                }
+                prop_assert_eq!(&rows[..], &want[..end]);
+            }
+
+            /// A changed byte past the CRC field is caught by the CRC: the
+            /// batches before it are read, then the read stops with an error
+            /// (or, in a batch's length, the read stops short).
+            #[test]
+            fn a_flipped_byte_never_passes_unnoticed(
+                (base, gens) in batches(),
+                at in any::<prop::sample::Index>(),
+                flip in 1u8..=255,
+            ) {
+                let (mut data, want, _) = encode(base, &gens);
+                prop_assume!(!data.is_empty());
+                let at = at.index(data.len());
+                // Which batch the byte is in, and where that batch starts.
+                let (mut start, mut batch_ix) = (0, 0);
+                while start + batch_len(&data[start..]) <= at {
+                    start += batch_len(&data[start..]);
+                    batch_ix += 1;
+                }
+                data[at] ^= flip;
+                let (rows, read) = read_all(&data, base, &[], true, &mut NoInflate);
+                let within = at - start;
+                if within >= CRC_FROM {
+                    // Records of the batches before it only, then the CRC's error.
+                    prop_assert_eq!(read.error, Some(Error::Crc { base_offset: be_i64(&data, start) }));
+                    let before = gens[..batch_ix].iter().map(Vec::len).sum::<usize>();
+                    prop_assert_eq!(&rows[..], &want[..before]);
+                } else {
+                    // In the base offset, length, epoch, magic or CRC: never a
+                    // record that was not written.
+                    for r in &rows {
+                        prop_assert!(want.iter().any(|w| w.2 == r.2 && w.3 == r.3 && w.4 == r.4));
+                    }
+                }
+            }
+
+            /// Any bytes at all: an answer or an error, never a panic.
+            #[test]
+            fn any_bytes_never_panic(data in prop::collection::vec(any::<u8>(), 0..600), check in any::<bool>()) {
+                let _ = read_partition::<()>(&data, 0, &[(3, 0)], true, check, &mut Reverse, |_, _| Ok(()));
+                for version in [4i16, 11, 12, 13, 16] {
+                    let _ = parse_fetch_response(&data, version);
+                }
+            }
+        }
+
+        /// The size of the batch at the start of `data` (it is complete).
+        fn batch_len(data: &[u8]) -> usize {
+            LOG_OVERHEAD + be_i32(data, 8) as usize
+        }
     }
 }

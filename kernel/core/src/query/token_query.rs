@@ -9,20 +9,8 @@
 //! visitor a token cost 18 ns, and serde cannot hand an array on unscanned:
 //! for an 8,192-token prompt that was 150 of the HTTP server's ~600 us.
 
-use pyo3::prelude::*;
-use pyo3::types::PyBytes;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
-
-type Read<'py> = (
-    String,
-    i128,
-    Bound<'py, PyBytes>,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-);
 
 /// `kvconductor.wire.query.TokenQuery`'s fields as they are read.
 #[derive(Default)]
@@ -36,8 +24,22 @@ struct Fields {
     cache_salt: Option<Option<String>>,
 }
 
-#[pyfunction]
-pub fn read_token_query<'py>(py: Python<'py>, body: &[u8]) -> Option<Read<'py>> {
+/// A query whose fields are all plainly valid; `token_ids` packed as
+/// little-endian u32.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenQuery {
+    pub model: String,
+    pub block_size: i128,
+    pub token_ids: Vec<u8>,
+    pub lora_name: Option<String>,
+    pub tenant_id: Option<String>,
+    pub instance_id: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+/// The body's query, or None for anything not plainly valid (see the
+/// module doc).
+pub fn read_token_query(body: &[u8]) -> Option<TokenQuery> {
     let f = fields(body)?;
     let block_size = f.block_size?;
     let block_size = match (block_size.as_i64(), block_size.as_u64()) {
@@ -45,15 +47,15 @@ pub fn read_token_query<'py>(py: Python<'py>, body: &[u8]) -> Option<Read<'py>> 
         (None, Some(n)) => i128::from(n),
         _ => return None, // a float: the typed decoder says no
     };
-    Some((
-        f.model?,
+    Some(TokenQuery {
+        model: f.model?,
         block_size,
-        PyBytes::new(py, &f.token_ids?),
-        f.lora_name.flatten(),
-        f.tenant_id.flatten(),
-        f.instance_id.flatten(),
-        f.cache_salt.flatten(),
-    ))
+        token_ids: f.token_ids?,
+        lora_name: f.lora_name.flatten(),
+        tenant_id: f.tenant_id.flatten(),
+        instance_id: f.instance_id.flatten(),
+        cache_salt: f.cache_salt.flatten(),
+    })
 }
 
 /// The fields of one JSON object, each at most once; unknown keys are

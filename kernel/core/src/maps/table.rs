@@ -1,25 +1,36 @@
-//! `CountMap`: identity -> non-zero u64 (owner bits, or a holder count), the
-//! maps the query walk probes.
-//!
-//! Open addressing with linear probing over one array of (key, value)
-//! pairs (of any length: see `GROW_QUARTERS`), so that a probe reads one
-//! cache line where a SwissTable reads its control bytes and then its
-//! bucket, and so that the walk can prefetch a chunk of blocks' lines
-//! before it reads any (see `store::GATHER`): at
-//! millions of entries hashbrown's two dependent misses per probe were
-//! most of a query. A value of 0 marks an empty slot (a key whose value
-//! drops to 0 is removed), and deletion shifts the run back, so there are
-//! no tombstones. Keys are hashed with foldhash's per-process random seed,
-//! as the other maps are: they come from engines.
-//!
-//! A large map is split into `SHARDS` tables by the top bits of the hash
-//! (`Tables`; the catalog, `sharded::ShardedMap`, is laid out the same way).
+//! The linear-probing tables under every map here (`CountMap`,
+//! `ShardedMap`, `SeqSet`): open addressing over one array of slots (of any
+//! length: see `GROW_QUARTERS`), no tombstones (deletion shifts the run
+//! back), split into `SHARDS` tables by the top bits of the hash past
+//! `SPLIT_AT` keys so that a growth rehashes a sixty-fourth of them.
+//! Keys are hashed with foldhash's per-process random seed: they come
+//! from engines. Why this layout: README.md.
 
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
-use crate::sharded::{share, shard_of, SHARDS, SHARD_BITS, SPLIT_AT};
+pub const SHARD_BITS: u32 = 6;
+pub const SHARDS: usize = 1 << SHARD_BITS;
+/// Keys at which a map splits: small enough that one growth is short.
+pub const SPLIT_AT: usize = 1 << 16;
+
+/// The shard of a key hashed to `h` (its top bits), once a map is split.
+#[inline]
+pub fn shard_of(h: u64) -> usize {
+    (h >> (64 - SHARD_BITS)) as usize
+}
+
+/// Room for each table when `n` keys spread over a map's tables: all of
+/// them in one, or a sixty-fourth and a quarter more (a random split is
+/// not even) in each of `SHARDS`.
+pub fn share(n: usize, split: bool) -> usize {
+    if split {
+        n / SHARDS + n / (4 * SHARDS)
+    } else {
+        n
+    }
+}
 
 /// At most this share of slots in use (in eighths): a miss scans on to an
 /// empty slot, and longer runs make misses slower.
@@ -36,44 +47,22 @@ const GROW_QUARTERS: usize = 5;
 /// only a power of two). The top bits choose a map's shard, so they are
 /// rotated away first: within a shard they are all the same.
 #[inline]
-pub(crate) fn home(h: u64, n: usize) -> usize {
+pub fn home(h: u64, n: usize) -> usize {
     ((u128::from(h.rotate_left(SHARD_BITS)) * n as u128) >> 64) as usize
 }
 
 /// What a table holds in a slot: a key and maybe a value, with one value
 /// of the slot marking it empty.
-pub(crate) trait Slot: Copy {
+pub trait Slot: Copy {
     const EMPTY: Self;
     fn key(self) -> u64;
     fn used(self) -> bool;
 }
 
-/// (key, value): empty at value 0 (a key whose value drops to 0 goes).
-impl Slot for (u64, u64) {
-    const EMPTY: Self = (0, 0);
-    fn key(self) -> u64 {
-        self.0
-    }
-    fn used(self) -> bool {
-        self.1 != 0
-    }
-}
-
-/// A bare key: empty at 0 (a set keeps key 0 beside its table).
-impl Slot for u64 {
-    const EMPTY: Self = 0;
-    fn key(self) -> u64 {
-        self
-    }
-    fn used(self) -> bool {
-        self != 0
-    }
-}
-
 /// One table: an array of slots, `len` in use.
-pub(crate) struct Table<S> {
-    pub(crate) slots: Vec<S>,
-    pub(crate) len: usize,
+pub struct Table<S> {
+    pub slots: Vec<S>,
+    pub len: usize,
 }
 
 impl<S> Default for Table<S> {
@@ -85,7 +74,7 @@ impl<S> Default for Table<S> {
 impl<S: Slot> Table<S> {
     /// Where `key` (hashed to `h`) is, or the empty slot that ends its run.
     #[inline]
-    pub(crate) fn find(&self, key: u64, h: u64) -> (usize, bool) {
+    pub fn find(&self, key: u64, h: u64) -> (usize, bool) {
         let n = self.slots.len();
         let mut i = home(h, n);
         loop {
@@ -105,7 +94,7 @@ impl<S: Slot> Table<S> {
 
     /// Asks for the cache line of the home of a key hashed to `h`.
     #[inline]
-    pub(crate) fn prefetch(&self, h: u64) {
+    pub fn prefetch(&self, h: u64) {
         if self.slots.is_empty() {
             return;
         }
@@ -122,7 +111,7 @@ impl<S: Slot> Table<S> {
     /// Room for `n` more keys without growing (the check inline: every
     /// insert makes it; the growth apart).
     #[inline]
-    pub(crate) fn reserve(&mut self, n: usize, hasher: &RandomState) {
+    pub fn reserve(&mut self, n: usize, hasher: &RandomState) {
         let want = self.len + n;
         if want * 8 > self.slots.len() * MAX_LOAD_EIGHTHS {
             self.grow(want, hasher);
@@ -151,7 +140,7 @@ impl<S: Slot> Table<S> {
 
     /// Backward-shift deletion: every later key of the run that may move
     /// closer to its home fills the hole, so runs stay unbroken.
-    pub(crate) fn remove_at(&mut self, mut hole: usize, hasher: &RandomState) {
+    pub fn remove_at(&mut self, mut hole: usize, hasher: &RandomState) {
         let n = self.slots.len();
         let mut i = hole;
         // How far `i` is past the hole, going round.
@@ -179,7 +168,7 @@ impl<S: Slot> Table<S> {
         }
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = S> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = S> + '_ {
         self.slots.iter().copied().filter(|s| s.used())
     }
 }
@@ -189,7 +178,7 @@ impl<S: Slot> Table<S> {
 /// of them: at a million keys one growth of all of them stopped the event
 /// loop for a noticeable pause. The maps over it (`CountMap`,
 /// `sharded::ShardedMap`) give the slots their meaning.
-pub(crate) struct Tables<S> {
+pub struct Tables<S> {
     tables: Vec<Table<S>>,
     len: usize,
     hasher: RandomState,
@@ -202,8 +191,12 @@ impl<S> Default for Tables<S> {
 }
 
 impl<S: Slot> Tables<S> {
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// `key`'s hash and its table.
@@ -216,7 +209,7 @@ impl<S: Slot> Tables<S> {
 
     /// `key`'s slot, when it is there.
     #[inline]
-    pub(crate) fn get(&self, key: u64) -> Option<&S> {
+    pub fn get(&self, key: u64) -> Option<&S> {
         if self.len == 0 {
             return None;
         }
@@ -248,14 +241,14 @@ impl<S: Slot> Tables<S> {
         }
     }
 
-    pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut S> {
+    pub fn get_mut(&mut self, key: u64) -> Option<&mut S> {
         let (t, i) = self.position(key)?;
         Some(&mut self.tables[t].slots[i])
     }
 
     /// Asks for `key`'s cache line ahead of a `get`.
     #[inline]
-    pub(crate) fn prefetch(&self, key: u64) {
+    pub fn prefetch(&self, key: u64) {
         if self.len == 0 {
             return;
         }
@@ -264,7 +257,7 @@ impl<S: Slot> Tables<S> {
     }
 
     /// Room for `n` more keys without growing (spread evenly when split).
-    pub(crate) fn reserve(&mut self, n: usize) {
+    pub fn reserve(&mut self, n: usize) {
         self.split_if(self.len + n);
         let room = share(n, self.tables.len() == SHARDS);
         for table in &mut self.tables {
@@ -306,7 +299,7 @@ impl<S: Slot> Tables<S> {
     /// `key`'s slot, made room for if absent (then empty: the caller fills
     /// it); whether it was there. The slot must not be left empty.
     #[inline]
-    pub(crate) fn slot_for(&mut self, key: u64) -> (&mut S, bool) {
+    pub fn slot_for(&mut self, key: u64) -> (&mut S, bool) {
         self.split_if(self.len + 1);
         let (h, t) = self.locate(key);
         let table = &mut self.tables[t];
@@ -321,7 +314,7 @@ impl<S: Slot> Tables<S> {
 
     /// `f` on `key`'s slot, when it is there, in one probe; the slot is
     /// taken out when `f` says so (it may leave it empty then).
-    pub(crate) fn change(&mut self, key: u64, f: impl FnOnce(&mut S) -> bool) {
+    pub fn change(&mut self, key: u64, f: impl FnOnce(&mut S) -> bool) {
         let Some((t, i)) = self.position(key) else { return };
         let table = &mut self.tables[t];
         if f(&mut table.slots[i]) {
@@ -331,7 +324,7 @@ impl<S: Slot> Tables<S> {
     }
 
     /// Takes `key`'s slot out; what it held.
-    pub(crate) fn remove(&mut self, key: u64) -> Option<S> {
+    pub fn remove(&mut self, key: u64) -> Option<S> {
         let (t, i) = self.position(key)?;
         let table = &mut self.tables[t];
         let s = table.slots[i];
@@ -340,182 +333,7 @@ impl<S: Slot> Tables<S> {
         Some(s)
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &S> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = &S> + '_ {
         self.tables.iter().flat_map(|t| t.slots.iter().filter(|s| s.used()))
-    }
-}
-
-/// identity -> non-zero u64 (see the module doc).
-#[derive(Default)]
-pub struct CountMap {
-    slots: Tables<(u64, u64)>,
-}
-
-impl CountMap {
-    pub fn is_empty(&self) -> bool {
-        self.slots.len() == 0
-    }
-
-    #[inline]
-    pub fn get(&self, key: u64) -> u64 {
-        self.slots.get(key).map_or(0, |s| s.1)
-    }
-
-    pub fn contains(&self, key: u64) -> bool {
-        self.get(key) != 0
-    }
-
-    /// Asks for `key`'s cache line ahead of a `get`.
-    #[inline]
-    pub fn prefetch(&self, key: u64) {
-        self.slots.prefetch(key);
-    }
-
-    /// Room for `n` more keys without growing (spread evenly when split).
-    pub fn reserve(&mut self, n: usize) {
-        self.slots.reserve(n);
-    }
-
-    /// Sets `value`'s bits under `key` (inserted if absent, `value` != 0);
-    /// returns what was there before (0: absent).
-    pub fn or(&mut self, key: u64, value: u64) -> u64 {
-        self.update(key, |v| v | value)
-    }
-
-    /// Adds one to `key`'s count.
-    pub fn increment(&mut self, key: u64) {
-        self.update(key, |v| v + 1);
-    }
-
-    /// `f` of the value under `key` (0 when absent) becomes its value; the
-    /// old value is returned. `f` must not return 0.
-    fn update(&mut self, key: u64, f: impl FnOnce(u64) -> u64) -> u64 {
-        let (slot, found) = self.slots.slot_for(key);
-        let old = if found { slot.1 } else { 0 };
-        *slot = (key, f(old));
-        old
-    }
-
-    /// Clears `bits` under `key`; the key goes when no bit is left.
-    pub fn clear_bits(&mut self, key: u64, bits: u64) {
-        self.change(key, |v| v & !bits);
-    }
-
-    /// Takes one from `key`'s count; the key goes at zero.
-    pub fn decrement(&mut self, key: u64) {
-        self.change(key, |v| v - 1);
-    }
-
-    fn change(&mut self, key: u64, f: impl FnOnce(u64) -> u64) {
-        self.slots.change(key, |slot| {
-            slot.1 = f(slot.1);
-            slot.1 == 0
-        });
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.slots.iter().copied()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::HashMap;
-
-    use super::CountMap;
-    use crate::sharded::SPLIT_AT;
-
-    /// The map against std's HashMap under `n` keys' worth of increments,
-    /// bit sets, clears and decrements, with `n` past `SPLIT_AT` if asked.
-    fn against_reference(n: u64) {
-        let mut map = CountMap::default();
-        let mut reference: HashMap<u64, u64> = HashMap::new();
-        for k in 0..n {
-            // Spread the keys so that runs collide and wrap around.
-            let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            map.increment(key);
-            *reference.entry(key).or_insert(0) += 1;
-            if k % 3 == 0 {
-                assert_eq!(map.or(key, 0b100), reference[&key]);
-                *reference.get_mut(&key).unwrap() |= 0b100;
-            }
-        }
-        for k in (0..n).step_by(2) {
-            let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            map.clear_bits(key, 0b100);
-            map.decrement(key);
-            let v = reference[&key] & !0b100;
-            if v <= 1 {
-                reference.remove(&key);
-            } else {
-                reference.insert(key, v - 1);
-            }
-        }
-        assert_eq!(map.is_empty(), reference.is_empty());
-        assert_eq!(map.slots.len(), reference.len());
-        let mut seen: Vec<(u64, u64)> = map.iter().collect();
-        let mut want: Vec<(u64, u64)> = reference.iter().map(|(&k, &v)| (k, v)).collect();
-        seen.sort_unstable();
-        want.sort_unstable();
-        assert_eq!(seen, want);
-        for k in 0..n {
-            let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            assert_eq!(map.get(key), reference.get(&key).copied().unwrap_or(0));
-            assert_eq!(map.contains(key), reference.contains_key(&key));
-        }
-    }
-
-    #[test]
-    fn one_table_matches_a_hash_map() {
-        against_reference(1_000);
-    }
-
-    #[test]
-    fn split_tables_match_a_hash_map() {
-        against_reference(SPLIT_AT as u64 + 1_000);
-    }
-
-    #[test]
-    fn a_key_goes_when_its_value_reaches_zero() {
-        let mut map = CountMap::default();
-        map.increment(7);
-        map.or(7, 0b10);
-        map.clear_bits(7, 0b10);
-        assert_eq!(map.get(7), 1);
-        map.decrement(7);
-        assert!(map.is_empty());
-        assert!(!map.contains(7));
-        // Changing an absent key is a no-op, not a panic.
-        map.decrement(7);
-        map.clear_bits(8, 1);
-        assert!(map.is_empty());
-    }
-
-    #[test]
-    fn deletion_keeps_every_run_reachable() {
-        // Keys of one run: removing the first must not hide the later ones.
-        let mut map = CountMap::default();
-        let keys: Vec<u64> = (1..=64).collect();
-        for &k in &keys {
-            map.or(k, k);
-        }
-        for &k in keys.iter().step_by(3) {
-            map.clear_bits(k, k);
-        }
-        for &k in &keys {
-            let want = if (k - 1) % 3 == 0 { 0 } else { k };
-            assert_eq!(map.get(k), want, "key {k}");
-        }
-    }
-
-    #[test]
-    fn reserve_then_fill_past_the_split() {
-        let mut map = CountMap::default();
-        map.reserve(SPLIT_AT + 10);
-        for k in 0..(SPLIT_AT as u64 + 10) {
-            map.increment(k);
-        }
-        assert_eq!(map.iter().count(), SPLIT_AT + 10);
-        assert!(map.iter().all(|(_, v)| v == 1));
     }
 }

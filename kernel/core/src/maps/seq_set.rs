@@ -2,7 +2,7 @@
 //!
 //! The set a (block, owner) entry costs most of beside its mask: hashbrown's
 //! 9 bytes a slot at 44-87% load (20 bytes a hash just after a doubling)
-//! become 8 bytes at 60-75% (`count_map::Table`'s linear probing and
+//! become 8 bytes at 60-75% (`table::Table`'s linear probing and
 //! gentle growth). Key 0 is a real hash: it is kept beside the table, whose
 //! empty slots are 0. Keys are hashed with foldhash's per-process random
 //! seed, as the other maps are: they come from engines.
@@ -13,7 +13,18 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
-use crate::count_map::Table;
+use super::table::{Slot, Table};
+
+/// A bare key: empty at 0 (a set keeps key 0 beside its table).
+impl Slot for u64 {
+    const EMPTY: Self = 0;
+    fn key(self) -> u64 {
+        self
+    }
+    fn used(self) -> bool {
+        self != 0
+    }
+}
 
 #[derive(Default)]
 pub struct SeqSet {
@@ -129,8 +140,7 @@ mod tests {
         let mut set = SeqSet::default();
         let mut reference: HashSet<u64> = HashSet::new();
         // Key 0 and u64::MAX among keys spread so that runs collide and wrap.
-        let keys: Vec<u64> =
-            (0..5_000u64).map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15)).chain([u64::MAX]).collect();
+        let keys: Vec<u64> = (0..5_000u64).map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15)).chain([u64::MAX]).collect();
         for &k in &keys {
             assert_eq!(set.insert(k), reference.insert(k));
             assert_eq!(set.insert(k), reference.insert(k));

@@ -8,29 +8,7 @@
 //! and the memory are the same. Small maps (most
 //! namespaces) stay one table and pay nothing.
 
-use crate::count_map::{Slot, Tables};
-
-pub const SHARD_BITS: u32 = 6;
-pub const SHARDS: usize = 1 << SHARD_BITS;
-/// Keys at which a map splits: small enough that one growth is short.
-pub const SPLIT_AT: usize = 1 << 16;
-
-/// The shard of a key hashed to `h` (its top bits), once a map is split.
-#[inline]
-pub fn shard_of(h: u64) -> usize {
-    (h >> (64 - SHARD_BITS)) as usize
-}
-
-/// Room for each table when `n` keys spread over a map's tables: all of
-/// them in one, or a sixty-fourth and a quarter more (a random split is
-/// not even) in each of `SHARDS`.
-pub fn share(n: usize, split: bool) -> usize {
-    if split {
-        n / SHARDS + n / (4 * SHARDS)
-    } else {
-        n
-    }
-}
+use super::table::{Slot, Tables};
 
 /// A value with one bit pattern a map's empty slots hold (never stored).
 pub trait Vacant: Copy {
@@ -49,7 +27,7 @@ impl<V: Vacant> Slot for (u64, V) {
 }
 
 /// u64 -> `V`, split into shards once large (see the module doc), over
-/// `count_map`'s linear-probing tables: 8 bytes a key beside its value and
+/// `table`'s linear-probing tables: 8 bytes a key beside its value and
 /// a load of 60-75%, where a SwissTable's doubling left it at 44-87% with
 /// a control byte more.
 pub struct ShardedMap<V> {
@@ -65,6 +43,10 @@ impl<V> Default for ShardedMap<V> {
 impl<V: Vacant> ShardedMap<V> {
     pub fn len(&self) -> usize {
         self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
     }
 
     pub fn get(&self, key: &u64) -> Option<&V> {
@@ -113,7 +95,8 @@ impl<V: Vacant> ShardedMap<V> {
 
 #[cfg(test)]
 mod tests {
-    use super::{share, shard_of, ShardedMap, Vacant, SHARDS, SPLIT_AT};
+    use super::{ShardedMap, Vacant};
+    use crate::maps::table::{shard_of, share, SHARDS, SPLIT_AT};
 
     /// Any u64 but `u64::MAX`.
     #[derive(Clone, Copy, Debug, PartialEq)]
