@@ -493,15 +493,17 @@ def state(index: Index) -> bytes:
 
 
 class _StatePickler(pickle.Pickler):
-    """Pickles a block store (compiled or not) as its contents, in order, and
-    an answer shape (derived from the owners, made when a query needs it) as
-    nothing."""
+    """Pickles a block store and a KV-cache group (compiled or not) as their
+    contents, in order, and an answer shape (derived from the owners, made
+    when a query needs it) as nothing."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, PyBlockStore) or type(obj).__name__ == "BlockStore":
             return list, (_canonical(obj.dump()),)
         if isinstance(obj, PyAnswerShape) or type(obj).__name__ == "AnswerShape":
             return type(None), ()
+        if type(obj).__name__ == "GroupState":  # either twin (`cache_groups.new_group`)
+            return tuple, ((obj.kind, obj.block_size, obj.window, obj.export()),)
         return NotImplemented
 
 

@@ -20,10 +20,12 @@ from kvconductor.tools.api_client import metric_sum, parse_metrics
 from kvconductor.tools.kafka_local.broker import free_ports
 from tests.harness import daemon_config
 from tests.test_http_abuse import (
+    MIB,
     Answer,
     closed_by_server,
     connection,
     read_answer,
+    send_declared,
     served,
     server_process,
 )
@@ -149,6 +151,21 @@ async def test_the_limit_counts_the_connections_handed_to_aiohttp() -> None:
                 reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
             else:
                 raise AssertionError("not served after the others closed")
+
+
+async def test_connections_handed_to_aiohttp_and_gone_do_not_count() -> None:
+    """aiohttp keeps a lost connection's handler until its request task
+    ends, up to its keep-alive timeout: clients that went away after an
+    answer aiohttp wrote must not fill the limit."""
+    async with served(max_connections=3) as s:
+        for _ in range(10):
+            # A body past max_body_bytes, declared and not sent: aiohttp
+            # answers 413 and its handler waits on after the client left.
+            assert (await send_declared(s.port, 20 * MIB)).status == 413
+        await asyncio.sleep(0.2)
+        async with connection(s.port) as (reader, writer):
+            assert (await exchange(reader, writer, post("/query", QUERY))).json() == FULL_ANSWER
+        assert s.count("kvconductor_http_connections_refused_total") == 0
 
 
 async def test_the_last_request_of_a_connection_is_answered_with_connection_close() -> None:

@@ -502,8 +502,12 @@ class QuerySite(web.BaseSite):
         return f"http://{self._host or '0.0.0.0'}:{self._port}"
 
     def open_connections(self) -> int:
-        """Connections open now: the front's, and those handed to aiohttp."""
-        return len(self.fronts) + len(self.aiohttp_server.connections)
+        """Connections open now: the front's, and those handed to aiohttp.
+        aiohttp keeps a lost connection's handler until its request task
+        ends (up to its keep-alive timeout): one whose transport is gone is
+        not open."""
+        handed = sum(1 for h in self.aiohttp_server.connections if h.transport is not None)
+        return len(self.fronts) + handed
 
     def refuse(self) -> None:
         """Count (and, at most once a minute, log) a connection over the limit."""

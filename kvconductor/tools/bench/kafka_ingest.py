@@ -71,11 +71,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from kvconductor.index.engine_lane import Steps
+from kvconductor.tools.bench.field_fleet import FIXTURES
 from kvconductor.wire.records import KV_SEQ
 
-FIXTURE = (
-    Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-hybrid" / "records.jsonl"
-)
+FIXTURE = FIXTURES / "vllm-hybrid" / "records.jsonl"
 DENSE = ("hyb-d0", "hyb-d1")
 
 
