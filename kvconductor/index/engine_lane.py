@@ -134,9 +134,11 @@ class EngineLane:
         key = rec.key
         if rec.pool or not isinstance(key, bytes):
             return
-        if key.decode("utf-8", "replace") in self.index.instances:
-            n = min(2 * self.strikes.get(key, 1), DECLINE_MAX)
-            self.declined[key] = self.strikes[key] = n
+        state = self.index.instances.get(key.decode("utf-8", "replace"))
+        if state is not None:
+            # A hybrid instance's records are never the lane's.
+            n = DECLINE_MAX if is_hybrid(state.groups) else 2 * self.strikes.get(key, 1)
+            self.declined[key] = self.strikes[key] = min(n, DECLINE_MAX)
 
     def forget(self, key: bytes | str | None) -> None:
         """The Python path applied a record of this instance."""
