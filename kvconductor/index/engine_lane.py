@@ -107,6 +107,9 @@ class EngineLane:
         if index.epoch != self.epoch:
             self.kernel.reset()
             self.contexts.clear()
+            # Also where instances went: these would otherwise keep them.
+            self.declined.clear()
+            self.strikes.clear()
             self.epoch = index.epoch
         gaps: list[Gap] = []
         at = start
