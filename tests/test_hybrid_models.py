@@ -26,7 +26,6 @@ import base64
 import json
 import random
 import signal
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from kvconductor.snapshots.units import (
     decode_unit,
     state_fingerprint,
 )
+from kvconductor.tools.bench import field_fleet
 from kvconductor.tools.kafka_local import broker as kafka_local
 from kvconductor.wire.errors import BadRecord
 from kvconductor.wire.query import TokenQuery
@@ -211,20 +211,8 @@ def test_every_probe_with_instances_interleaved(seed: int, root: Path) -> None:
 
 
 def live_messages(run: str, root: Path = LIVE) -> list[list[bytes]]:
-    """frames.bin: u32 frame count, f64 time, then u32 length + bytes a frame."""
-    data = (root / run / "frames.bin").read_bytes()
-    out: list[list[bytes]] = []
-    at = 0
-    while at < len(data):
-        (n,) = struct.unpack_from("<I", data, at)
-        at += 12
-        frames = []
-        for _ in range(n):
-            (size,) = struct.unpack_from("<I", data, at)
-            frames.append(data[at + 4 : at + 4 + size])
-            at += 4 + size
-        out.append(frames)
-    return out
+    """A captured run's ZMQ messages, each its frames (`frames.bin`)."""
+    return list(field_fleet.live_messages(root / run / "frames.bin"))
 
 
 def live_requests(run: str, root: Path = LIVE) -> Iterator[dict[str, Any]]:
